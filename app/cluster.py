@@ -1,0 +1,177 @@
+"""The cluster this process belongs to, from `TF_CONFIG`.
+
+This module is the only reader of `TF_CONFIG`. It checks the variable before
+any server starts and explains each mistake in one line that names the field
+and the fix (`ClusterError`, exit code 2). TensorFlow's own
+`TFConfigClusterResolver` then reads the checked value; strategies get a
+resolver over the *training* jobs only, without the `evaluator` that Kubeflow
+lists in every task's TF_CONFIG (a chief waiting on it would stall).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from typing import Any
+
+from app.config import ConfigError
+
+ENV = "TF_CONFIG"
+JOBS = ("chief", "worker", "ps", "evaluator")
+_EXAMPLE = ('{"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
+            '"task": {"type": "worker", "index": 0}}')
+# host:port where host is a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+class ClusterError(ConfigError):
+    """TF_CONFIG describes a cluster that cannot work."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """A validated TF_CONFIG: every job's addresses and this process's task."""
+
+    jobs: dict[str, tuple[str, ...]]
+    task_type: str
+    task_index: int
+    rpc_layer: str = "grpc"
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.jobs.get("worker", ()))
+
+    @property
+    def num_ps(self) -> int:
+        return len(self.jobs.get("ps", ()))
+
+    @property
+    def has_chief(self) -> bool:
+        return "chief" in self.jobs
+
+    @property
+    def training_jobs(self) -> dict[str, list[str]]:
+        return {job: list(addrs) for job, addrs in self.jobs.items() if job != "evaluator"}
+
+    @property
+    def is_multi_task(self) -> bool:
+        return sum(len(addrs) for addrs in self.training_jobs.values()) > 1
+
+    @property
+    def is_chief(self) -> bool:
+        """The task that writes summaries, exports and metrics.json."""
+        if self.has_chief:
+            return self.task_type == "chief"
+        return self.task_type == "worker" and self.task_index == 0
+
+    @property
+    def label(self) -> str:
+        return f"{self.task_type}:{self.task_index}"
+
+    def resolver(self):
+        """A cluster resolver over the training jobs, for a strategy to use."""
+        import tensorflow as tf
+
+        from_env = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+        spec = {job: from_env.cluster_spec().job_tasks(job) for job in self.training_jobs}
+        return tf.distribute.cluster_resolver.SimpleClusterResolver(
+            tf.train.ClusterSpec(spec),
+            task_type=from_env.task_type,
+            task_id=from_env.task_id,
+            rpc_layer=from_env.rpc_layer or self.rpc_layer,
+        )
+
+
+def read() -> Cluster | None:
+    """The validated cluster from TF_CONFIG, or None when it is unset or empty."""
+    text = os.environ.get(ENV, "").strip()
+    return parse(text) if text else None
+
+
+def parse(text: str) -> Cluster:
+    """Validate TF_CONFIG text; raises ClusterError naming the field and the fix."""
+    try:
+        tf_config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ClusterError(
+            f"{ENV} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
+            f"it should look like {_EXAMPLE}") from None
+    if not isinstance(tf_config, dict):
+        raise ClusterError(f"{ENV} must be a JSON object like {_EXAMPLE}")
+    for key in ("cluster", "task"):
+        if not isinstance(tf_config.get(key), dict):
+            raise ClusterError(
+                f"{ENV} has no {key!r} object; it should look like {_EXAMPLE}")
+    jobs = _parse_jobs(tf_config["cluster"])
+    task_type, task_index = _parse_task(tf_config["task"], jobs)
+    rpc_layer = tf_config.get("rpc_layer", "grpc")
+    return Cluster(jobs=jobs, task_type=task_type, task_index=task_index, rpc_layer=rpc_layer)
+
+
+def _parse_jobs(cluster: dict[str, Any]) -> dict[str, tuple[str, ...]]:
+    jobs: dict[str, tuple[str, ...]] = {}
+    for job, addrs in cluster.items():
+        if job not in JOBS:
+            raise ClusterError(
+                f"{ENV} cluster.{job}: unknown job {job!r}; jobs are {', '.join(JOBS)}")
+        if not isinstance(addrs, list) or not addrs:
+            raise ClusterError(
+                f"{ENV} cluster.{job} must be a non-empty list of \"host:port\" strings")
+        for i, addr in enumerate(addrs):
+            _check_address(f"cluster.{job}[{i}]", addr)
+        jobs[job] = tuple(addrs)
+    if not jobs:
+        raise ClusterError(f"{ENV} cluster is empty; it should look like {_EXAMPLE}")
+
+    seen: dict[str, str] = {}
+    for job, addrs in jobs.items():
+        for i, addr in enumerate(addrs):
+            where = f"cluster.{job}[{i}]"
+            if addr in seen:
+                raise ClusterError(
+                    f"{ENV} {where} = {addr!r} is also {seen[addr]}; "
+                    "every task needs its own host:port")
+            seen[addr] = where
+    if len(jobs.get("chief", ())) > 1:
+        raise ClusterError(
+            f"{ENV} cluster.chief lists {len(jobs['chief'])} tasks; there can be at most one "
+            "chief (make the others workers)")
+    if "ps" in jobs and "chief" not in jobs:
+        raise ClusterError(
+            f"{ENV} cluster has a 'ps' job but no 'chief': parameter-server training needs "
+            "a chief to coordinate; add \"chief\": [\"host:port\"]")
+    if "ps" in jobs and "worker" not in jobs:
+        raise ClusterError(
+            f"{ENV} cluster has a 'ps' job but no 'worker' job; add \"worker\": [\"host:port\"]")
+    return jobs
+
+
+def _check_address(where: str, addr: Any) -> None:
+    match = _ADDRESS.match(addr) if isinstance(addr, str) else None
+    if not match or not 0 < int(match.group(2)) < 65536:
+        raise ClusterError(
+            f"{ENV} {where} = {json.dumps(addr)} is not \"host:port\" with a port in "
+            "1..65535 (e.g. \"10.0.0.1:2222\")")
+
+
+def _parse_task(task: dict[str, Any], jobs: dict[str, tuple[str, ...]]) -> tuple[str, int]:
+    task_type, index = task.get("type"), task.get("index", 0)
+    if task_type not in JOBS:
+        raise ClusterError(
+            f"{ENV} task.type = {json.dumps(task_type)} is not one of {', '.join(JOBS)}")
+    if type(index) is not int:
+        raise ClusterError(f"{ENV} task.index = {json.dumps(index)} must be an integer")
+    # TensorFlow lets an evaluator run without being listed in the cluster.
+    unlisted_evaluator = task_type == "evaluator" and task_type not in jobs
+    size = 1 if unlisted_evaluator else len(jobs.get(task_type, ()))
+    if size == 0:
+        raise ClusterError(
+            f"{ENV} task.type = {task_type!r} but the cluster has no {task_type!r} job; "
+            f"add cluster.{task_type} or fix task.type")
+    if not 0 <= index < size:
+        raise ClusterError(
+            f"{ENV} task.index = {index} is out of range: cluster.{task_type} lists "
+            f"{size} task(s), so task.index must be in 0..{size - 1}")
+    return task_type, index

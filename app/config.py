@@ -1,0 +1,237 @@
+"""Run configuration: defaults in one place, TOML override files, `--set` last.
+
+The defaults below *are* the default run (`configs/mnist.toml` only names
+them). Every other config file changes a few fields. Unknown keys, wrong
+types and impossible values raise `ConfigError`, which the command line turns
+into exit code 2 with the message alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import typing
+from typing import Any
+
+import tomllib
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake. The message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    # "mnist" (IDX files in `dir`), "tfds:<name>" or "synthetic".
+    name: str = "mnist"
+    # Directory of the IDX files; empty means the copy bundled with the project.
+    dir: str = ""
+    # Use only the first N training / test examples (0 = all). For smoke runs:
+    # test accuracy is then over N images, and metrics.json says so.
+    train_examples: int = 0
+    test_examples: int = 0
+    # Held out from the end of the training set for per-epoch validation, as the
+    # classic MNIST examples did (55,000 train / 5,000 validation).
+    validation_examples: int = 5000
+    shuffle_buffer: int = 60000
+    # Random translation of up to this many pixels in each direction (0 = off).
+    augment_shift: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    name: str = "cnn"  # "cnn" or "mlp"
+    dropout: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 6
+    global_batch_size: int = 128
+    optimizer: str = "adam"  # "adam" or "sgd"
+    learning_rate: float = 1e-3
+    # "cosine" decays to `final_lr_fraction * learning_rate` over the whole run.
+    lr_schedule: str = "cosine"  # "cosine" or "constant"
+    final_lr_fraction: float = 0.01
+    steps_per_execution: int = 1
+    seed: int = 0
+    # Keras verbosity: "auto" shows a progress bar on a terminal.
+    verbose: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    # Evaluate on the test set after every epoch too (not only at the end), so the
+    # learning curve is on record. Costs about one forward pass of the test set.
+    test_every_epoch: bool = True
+    batch_size: int = 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    # "auto" picks from TF_CONFIG and the local devices; see app/strategy.py.
+    strategy: str = "auto"
+    # Split the CPU into N logical devices (0 = leave it whole), so that
+    # MirroredStrategy can run on a CPU-only machine.
+    cpu_devices: int = 0
+    # TensorFlow thread pools (0 = TensorFlow's default).
+    intra_op_threads: int = 0
+    inter_op_threads: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterConfig:
+    connect_timeout_s: int = 120
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    keep: int = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    cluster: ClusterConfig = ClusterConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+
+
+_CHOICES = {
+    "model.name": ("cnn", "mlp"),
+    "train.optimizer": ("adam", "sgd"),
+    "train.lr_schedule": ("cosine", "constant"),
+    "train.verbose": ("auto", "0", "1", "2"),
+    "runtime.strategy": (
+        "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
+}
+_POSITIVE = ("train.epochs", "train.global_batch_size", "train.steps_per_execution",
+             "eval.batch_size", "cluster.connect_timeout_s", "checkpoint.keep",
+             "train.learning_rate")
+_NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_examples",
+                 "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
+                 "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed")
+
+
+def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
+    """Defaults, then the TOML file at `path`, then `key=value` overrides; validated."""
+    tree = to_dict(Config())
+    if path:
+        _merge(tree, _read_toml(path), source=path)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected key=value, e.g. --set train.epochs=3")
+        _set_dotted(tree, key.strip(), _parse_value(text.strip()), source="--set")
+    config = _build(tree)
+    validate(config)
+    return config
+
+
+def to_dict(config: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(config)
+
+
+def to_toml(config: Config) -> str:
+    """Serialise to TOML that `load` reads back to an equal Config."""
+    lines = []
+    for section, values in to_dict(config).items():
+        lines.append(f"[{section}]")
+        lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write(config: Config, workdir: pathlib.Path) -> pathlib.Path:
+    path = workdir / "config.toml"
+    path.write_text(to_toml(config))
+    return path
+
+
+def validate(config: Config) -> None:
+    """Checks that need no cluster; the batch/replica check lives with the strategy."""
+    flat = {f"{s}.{k}": v for s, values in to_dict(config).items() for k, v in values.items()}
+    for key, allowed in _CHOICES.items():
+        if flat[key] not in allowed:
+            raise ConfigError(f"{key} = {flat[key]!r} is not one of {', '.join(allowed)}")
+    for key in _POSITIVE:
+        if flat[key] <= 0:
+            raise ConfigError(f"{key} = {flat[key]} must be > 0")
+    for key in _NON_NEGATIVE:
+        if flat[key] < 0:
+            raise ConfigError(f"{key} = {flat[key]} must be >= 0")
+    if not 0 <= config.model.dropout < 1:
+        raise ConfigError(f"model.dropout = {config.model.dropout} must be in [0, 1)")
+    if not 0 <= config.train.final_lr_fraction <= 1:
+        raise ConfigError(
+            f"train.final_lr_fraction = {config.train.final_lr_fraction} must be in [0, 1]")
+    name = config.data.name
+    if name not in ("mnist", "synthetic") and not (name.startswith("tfds:") and len(name) > 5):
+        raise ConfigError(
+            f"data.name = {name!r} is not one of mnist, synthetic, tfds:<name> "
+            "(e.g. tfds:fashion_mnist)")
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
+
+
+def _merge(tree: dict, updates: dict, source: str) -> None:
+    for section, values in updates.items():
+        if not isinstance(values, dict):
+            raise ConfigError(
+                f"{source}: top-level key {section!r} must be a [section]; "
+                f"sections are {', '.join(tree)}")
+        for key, value in values.items():
+            _set_dotted(tree, f"{section}.{key}", value, source)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in tree:
+        raise ConfigError(
+            f"{source}: unknown section {section!r} in {dotted!r}; "
+            f"sections are {', '.join(tree)}")
+    if key not in tree[section]:
+        raise ConfigError(
+            f"{source}: unknown key {dotted!r}; keys of [{section}] are "
+            f"{', '.join(tree[section])}")
+    tree[section][key] = _coerce(dotted, tree[section][key], value)
+
+
+def _coerce(dotted: str, default: Any, value: Any) -> Any:
+    """Accept `value` only if it has the default's type (ints widen to floats)."""
+    kind = type(default)
+    if kind is float and type(value) is int:
+        return float(value)
+    if kind is str and type(value) in (int, float):
+        return str(value)  # lets `--set train.verbose=2` through
+    if type(value) is not kind:
+        raise ConfigError(
+            f"{dotted} = {value!r} has type {type(value).__name__}, expected "
+            f"{kind.__name__} (e.g. {dotted} = {json.dumps(default)})")
+    return value
+
+
+def _parse_value(text: str) -> Any:
+    """`--set` values are TOML values; a bare word is taken as a string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _build(tree: dict[str, dict[str, Any]]) -> Config:
+    sections = {f.name: f.type for f in dataclasses.fields(Config)}
+    hints = typing.get_type_hints(Config)
+    return Config(**{name: hints[name](**tree[name]) for name in sections})

@@ -1,0 +1,115 @@
+"""Turn a strategy name, the cluster and the local devices into a tf.distribute strategy.
+
+`choose` decides (pure, so every branch is tested without devices);
+`create` builds. `configure_runtime` must run before anything else touches
+TensorFlow's devices: logical CPU devices and thread pools are fixed at start-up.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+
+from app.cluster import Cluster
+from app.config import ConfigError, RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+NAMES = ("default", "mirrored", "multi_worker_mirrored", "parameter_server")
+_ONE_HOST = ("default", "mirrored")
+
+
+def configure_runtime(runtime: RuntimeConfig) -> None:
+    """Apply thread pools and logical CPU devices; call before any TF op runs."""
+    if runtime.intra_op_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(runtime.intra_op_threads)
+    if runtime.inter_op_threads:
+        tf.config.threading.set_inter_op_parallelism_threads(runtime.inter_op_threads)
+    for gpu in tf.config.list_physical_devices("GPU"):
+        # Co-located processes (local clusters, tests) must not each grab all memory.
+        tf.config.experimental.set_memory_growth(gpu, True)
+    if runtime.cpu_devices:
+        split_cpu(runtime.cpu_devices)
+
+
+def split_cpu(n: int) -> None:
+    """Expose the CPU as `n` logical devices (only possible before TF initialises)."""
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    try:
+        tf.config.set_logical_device_configuration(
+            cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(n)])
+    except RuntimeError:
+        have = len(tf.config.list_logical_devices("CPU"))
+        if have != n:
+            raise ConfigError(
+                f"runtime.cpu_devices = {n}, but TensorFlow already started with {have} "
+                "CPU device(s); set it before any TensorFlow op runs") from None
+
+
+def choose(name: str, cluster: Cluster | None, num_gpus: int) -> str:
+    """The strategy to build for `name` ("auto" or one of NAMES) in this setting."""
+    multi_task = cluster is not None and cluster.is_multi_task
+    has_ps = cluster is not None and cluster.num_ps > 0
+    if name == "auto":
+        if has_ps:
+            return "parameter_server"
+        if multi_task:
+            return "multi_worker_mirrored"
+        return "mirrored" if num_gpus >= 2 else "default"
+    if name in _ONE_HOST and multi_task:
+        raise ConfigError(
+            f"--strategy {name} trains on one host, but TF_CONFIG describes a cluster "
+            f"({_shape(cluster)}); unset TF_CONFIG, or use --strategy auto")
+    if name == "multi_worker_mirrored" and has_ps:
+        raise ConfigError(
+            f"--strategy multi_worker_mirrored has no parameter servers, but TF_CONFIG "
+            f"lists {cluster.num_ps} 'ps' task(s); remove the 'ps' job, or use "
+            "--strategy parameter_server")
+    if name == "parameter_server" and not has_ps:
+        raise ConfigError(
+            "--strategy parameter_server needs TF_CONFIG with 'chief', 'worker' and 'ps' "
+            "jobs (see README: Running on a cluster)")
+    if name in NAMES:
+        return name
+    raise ConfigError(f"Unrecognized strategy {name!r}; choose auto or one of {', '.join(NAMES)}")
+
+
+def create(name: str, cluster: Cluster | None = None) -> tf.distribute.Strategy:
+    """Build the strategy `name` ("auto" or one of NAMES)."""
+    gpus = tf.config.list_logical_devices("GPU")
+    choice = choose(name, cluster, len(gpus))
+    if choice == "default":
+        return tf.distribute.get_strategy()
+    if choice == "mirrored":
+        devices = [d.name for d in gpus or tf.config.list_logical_devices("CPU")]
+        log.info("MirroredStrategy over %s", ", ".join(devices))
+        return tf.distribute.MirroredStrategy(devices)
+    if choice in ("multi_worker_mirrored", "parameter_server"):
+        raise ConfigError(
+            f"strategy {choice!r} (chosen for TF_CONFIG {_shape(cluster)}) is not supported "
+            "yet; train on one host (unset TF_CONFIG) for now")
+    raise ConfigError(f"Unrecognized strategy {choice!r}")
+
+
+def describe(strategy: tf.distribute.Strategy) -> str:
+    """The strategy's public class name (the default one's class is private)."""
+    name = type(strategy).__name__
+    return "DefaultStrategy" if name == "_DefaultDistributionStrategy" else name
+
+
+def check_batch(global_batch_size: int, num_replicas: int) -> int:
+    """The per-replica batch; the global batch must split evenly over the replicas."""
+    if global_batch_size % num_replicas:
+        lower = global_batch_size - global_batch_size % num_replicas
+        options = " or ".join(str(b) for b in (lower, lower + num_replicas) if b)
+        raise ConfigError(
+            f"train.global_batch_size ({global_batch_size}) must be divisible by the "
+            f"number of replicas ({num_replicas}); use {options}")
+    return global_batch_size // num_replicas
+
+
+def _shape(cluster: Cluster | None) -> str:
+    if cluster is None:
+        return "none"
+    return ", ".join(f"{len(a)} {job}" for job, a in cluster.training_jobs.items())

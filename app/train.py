@@ -1,0 +1,74 @@
+"""`python -m app.train`: train a Keras model under the strategy TF_CONFIG implies.
+
+This file is intentionally short: it parses the command line, loads the
+config, reads the cluster, dispatches on this task's role and calls
+`trainer.run`, where the work is done and tested.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pathlib
+import sys
+
+# Before TensorFlow is imported: its C++ INFO lines would bury the progress bar.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+from app import cluster as clusters  # noqa: E402
+from app import config as cfg  # noqa: E402
+from app import workdir as workdirs  # noqa: E402
+
+log = logging.getLogger("app")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m app.train", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", help="TOML file of overrides, e.g. configs/mnist.toml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="override one field, e.g. --set train.epochs=1 "
+                             "(repeatable; the last one wins)")
+    parser.add_argument("--workdir", type=pathlib.Path,
+                        help="where checkpoints, logs, export and metrics.json go "
+                             "(default: runs/<timestamp>)")
+    parser.add_argument("--strategy", help="same as --set runtime.strategy=NAME: auto, default, "
+                        "mirrored, multi_worker_mirrored or parameter_server")
+    return parser.parse_args(argv)
+
+
+def setup_logging(label: str) -> None:
+    """Our INFO lines, prefixed with the task; other libraries' at WARNING and up."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"[{label}] %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
+    log.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
+    try:
+        config = cfg.load(args.config, overrides)
+        cluster = clusters.read()
+        setup_logging(cluster.label if cluster else "local")
+        # Role dispatch: the one place that decides what this task does.
+        if cluster and cluster.task_type == "evaluator":
+            raise cfg.ConfigError(
+                "TF_CONFIG task.type = 'evaluator' is not supported yet; run it without TF_CONFIG")
+        workdir = workdirs.prepare(args.workdir or workdirs.default_path(), config)
+        log.info("workdir %s", workdir)
+
+        from app import strategy, trainer  # TensorFlow starts here, after all checks.
+
+        strategy.configure_runtime(config.runtime)
+        metrics = trainer.run(config, workdir, cluster=cluster)
+    except cfg.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(trainer.summary_line(metrics))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

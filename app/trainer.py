@@ -1,0 +1,129 @@
+"""Training: build under the strategy, fit, evaluate on the test set, export, report.
+
+`run` is what `python -m app.train` calls; tests call it with an injected
+strategy and tiny datasets, so no cluster and no files outside the workdir.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from typing import Any
+
+import tensorflow as tf
+import tf_keras as keras
+
+from app import callbacks, data, models
+from app import strategy as strategies
+from app.cluster import Cluster
+from app.config import Config, ConfigError
+
+log = logging.getLogger(__name__)
+
+METRICS_FILE = "metrics.json"
+
+
+def run(config: Config, workdir: pathlib.Path, *,
+        strategy: tf.distribute.Strategy | None = None,
+        datasets: data.Datasets | None = None,
+        cluster: Cluster | None = None) -> dict[str, Any]:
+    """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`."""
+    start = time.perf_counter()
+    workdir = pathlib.Path(workdir)
+    strategy = strategy or strategies.create(config.runtime.strategy, cluster)
+    replicas = strategy.num_replicas_in_sync
+    strategies.check_batch(config.train.global_batch_size, replicas)
+    keras.utils.set_random_seed(config.train.seed)
+    datasets = datasets or data.load(config.data, seed=config.train.seed)
+    steps_per_epoch = len(datasets.train) // config.train.global_batch_size
+    if steps_per_epoch == 0:
+        raise ConfigError(
+            f"train.global_batch_size ({config.train.global_batch_size}) is larger than the "
+            f"training set ({len(datasets.train)} examples); lower it")
+    log.info("%s: %d replica(s), %d train / %s validation / %d test examples, "
+             "%d steps per epoch", strategies.describe(strategy), replicas, len(datasets.train),
+             len(datasets.validation) if datasets.validation else 0, len(datasets.test),
+             steps_per_epoch)
+
+    with strategy.scope():
+        model = models.build(config.model.name, datasets.image_shape, datasets.num_classes,
+                             dropout=config.model.dropout)
+        model.compile(
+            optimizer=_optimizer(config, steps_per_epoch),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=config.train.steps_per_execution,
+        )
+
+    test_ds = data.eval_dataset(datasets.test, config.eval.batch_size)
+    throughput = callbacks.Throughput(config.train.global_batch_size)
+    history = model.fit(
+        keras.utils.experimental.DatasetCreator(data.train_dataset_fn(
+            datasets.train, config.train.global_batch_size, seed=config.train.seed,
+            shuffle_buffer=config.data.shuffle_buffer,
+            augment_shift=config.data.augment_shift)),
+        epochs=config.train.epochs,
+        steps_per_epoch=steps_per_epoch,
+        validation_data=(data.eval_dataset(datasets.validation, config.eval.batch_size)
+                         if datasets.validation else None),
+        callbacks=callbacks.for_training(config, workdir, model, throughput,
+                                         test_ds if config.eval.test_every_epoch else None),
+        verbose=_verbose(config.train.verbose),
+    )
+
+    test = model.evaluate(test_ds, verbose=0, return_dict=True)
+    model.save(workdir / "export", save_format="tf")
+    metrics = {
+        "strategy": strategies.describe(strategy),
+        "num_replicas": replicas,
+        "num_workers": cluster.num_workers if cluster and cluster.num_workers else 1,
+        "num_ps": cluster.num_ps if cluster else 0,
+        "global_batch_size": config.train.global_batch_size,
+        "epochs_completed": history.epoch[-1] + 1 if history.epoch else config.train.epochs,
+        "steps": int(model.optimizer.iterations.numpy()),
+        "test_accuracy": float(test["accuracy"]),
+        "test_loss": float(test["loss"]),
+        "num_test_examples": len(datasets.test),
+        "train_examples_per_sec": throughput.examples_per_sec(),
+        "wall_seconds": round(time.perf_counter() - start, 2),
+        "model": config.model.name,
+        "dataset": config.data.name,
+        "history": _history(history),
+    }
+    (workdir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def summary_line(metrics: dict[str, Any]) -> str:
+    """The one-line result printed last."""
+    return (f"test_accuracy={metrics['test_accuracy']:.4f} test_loss={metrics['test_loss']:.4f} "
+            f"({metrics['num_test_examples']} test images) "
+            f"epochs={metrics['epochs_completed']} steps={metrics['steps']} "
+            f"strategy={metrics['strategy']} replicas={metrics['num_replicas']} "
+            f"workers={metrics['num_workers']} ps={metrics['num_ps']} "
+            f"batch={metrics['global_batch_size']} "
+            f"train_examples_per_sec={metrics['train_examples_per_sec']:.0f} "
+            f"wall_seconds={metrics['wall_seconds']:.1f}")
+
+
+def _optimizer(config: Config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
+    t = config.train
+    lr: Any = t.learning_rate
+    if t.lr_schedule == "cosine":
+        lr = keras.optimizers.schedules.CosineDecay(
+            t.learning_rate, decay_steps=t.epochs * steps_per_epoch, alpha=t.final_lr_fraction)
+    if t.optimizer == "adam":
+        return keras.optimizers.Adam(lr)
+    return keras.optimizers.SGD(lr, momentum=0.9)
+
+
+def _verbose(setting: str) -> str | int:
+    return setting if setting == "auto" else int(setting)
+
+
+def _history(history: keras.callbacks.History) -> list[dict[str, float]]:
+    keys = sorted(history.history)
+    return [{"epoch": epoch + 1, **{k: round(float(history.history[k][i]), 6) for k in keys}}
+            for i, epoch in enumerate(history.epoch)]

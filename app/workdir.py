@@ -1,0 +1,53 @@
+"""The run's working directory: never overwrite a finished run, resume an interrupted one."""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+
+from app import config as cfg
+
+METRICS_FILE = "metrics.json"
+BACKUP_DIR = "backup"
+
+
+def default_path() -> pathlib.Path:
+    return pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
+    """Create `path` and write the config there, or explain why this run cannot use it.
+
+    A workdir with metrics.json holds a finished run: training into it again
+    would overwrite its results. One with a backup holds an interrupted run,
+    which BackupAndRestore resumes, but only under the same config: a resumed
+    run under another would mix two experiments. A workdir with neither (a run
+    that stopped on an error before its first epoch ended) is simply reused.
+    """
+    if (path / METRICS_FILE).exists():
+        raise cfg.ConfigError(
+            f"--workdir {path} already holds a finished run ({METRICS_FILE}); "
+            "choose a new --workdir")
+    saved = path / "config.toml"
+    if saved.exists() and has_backup(path):
+        before = _flat(cfg.load(str(saved)))
+        changed = [f"{k}: {before[k]!r} -> {v!r}" for k, v in _flat(config).items()
+                   if before[k] != v]
+        if changed:
+            raise cfg.ConfigError(
+                f"--workdir {path} holds an interrupted run with a different config "
+                f"({'; '.join(changed)}); resume it with the same config, or choose a new "
+                "--workdir")
+    path.mkdir(parents=True, exist_ok=True)
+    cfg.write(config, path)
+    return path
+
+
+def has_backup(path: pathlib.Path) -> bool:
+    """Whether BackupAndRestore left training state to resume in `path`."""
+    backup = path / BACKUP_DIR
+    return backup.is_dir() and any(p.is_file() for p in backup.rglob("*"))
+
+
+def _flat(config: cfg.Config) -> dict:
+    return {f"{s}.{k}": v for s, values in cfg.to_dict(config).items() for k, v in values.items()}

@@ -1,0 +1,28 @@
+"""Shared test set-up.
+
+The CPU is split into two logical devices before any test touches
+TensorFlow, so MirroredStrategy has two replicas to work with in-process.
+"""
+
+import numpy as np
+import pytest
+
+from app import data, strategy
+
+strategy.split_cpu(2)
+
+
+def tiny_split(n: int, seed: int = 0) -> data.Split:
+    """`n` MNIST-shaped examples whose label is readable from the image (learnable)."""
+    rng = np.random.default_rng(seed)
+    labels = rng.integers(0, 10, n)
+    images = rng.integers(0, 40, (n, 28, 28, 1), dtype=np.uint8)
+    for i, label in enumerate(labels):  # a bright bar whose row encodes the class
+        images[i, 2 + 2 * label: 4 + 2 * label, 4:24, 0] = 255
+    return data.Split(images, labels.astype(np.int64))
+
+
+@pytest.fixture(scope="module")
+def tiny_datasets() -> data.Datasets:
+    return data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
+                         test=tiny_split(101, seed=2), num_classes=10)

@@ -1,0 +1,63 @@
+import dataclasses
+
+import pytest
+
+from app import config as cfg
+
+
+def test_defaults_are_the_default_config_file():
+    assert cfg.load("configs/mnist.toml") == cfg.Config()
+
+
+def test_file_then_set_overrides_apply_in_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text('[train]\nepochs = 3\nlearning_rate = 2\n[data]\nname = "synthetic"\n')
+    config = cfg.load(str(path), ["train.epochs=5", "model.name=mlp", "train.epochs=7"])
+    assert config.train.epochs == 7
+    assert config.train.learning_rate == 2.0  # an int widens to float
+    assert config.data.name == "synthetic"
+    assert config.model.name == "mlp"  # a bare word is a string
+
+
+def test_round_trip_through_written_toml(tmp_path):
+    config = cfg.load(None, ["train.epochs=2", "data.dir=/x y/z", "eval.test_every_epoch=false"])
+    written = cfg.write(config, tmp_path)
+    assert cfg.load(str(written)) == config
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trian.epochs=1", "unknown section 'trian' in 'trian.epochs'; sections are data, model"),
+    ("train.epoch=1", "unknown key 'train.epoch'; keys of [train] are epochs,"),
+    ("train.epochs=1.5", "train.epochs = 1.5 has type float, expected int (e.g. train.epochs = 6)"),
+    ("train.epochs=three", "train.epochs = 'three' has type str, expected int"),
+    ("train.epochs=-1", "train.epochs = -1 must be > 0"),
+    ("data.train_examples=-5", "data.train_examples = -5 must be >= 0"),
+    ("model.name=resnet", "model.name = 'resnet' is not one of cnn, mlp"),
+    ("model.dropout=1.0", "model.dropout = 1.0 must be in [0, 1)"),
+    ("train.final_lr_fraction=2", "train.final_lr_fraction = 2.0 must be in [0, 1]"),
+    ("data.name=imagenet", "data.name = 'imagenet' is not one of mnist, synthetic, tfds:<name>"),
+    ("runtime.strategy=tpu", "runtime.strategy = 'tpu' is not one of auto, default, mirrored"),
+    ("epochs", "--set 'epochs': expected key=value, e.g. --set train.epochs=3"),
+])
+def test_bad_overrides_name_the_field_and_fix(override, message):
+    with pytest.raises(cfg.ConfigError) as e:
+        cfg.load(None, [override])
+    assert message in str(e.value)
+
+
+def test_bad_files_are_explained(tmp_path):
+    with pytest.raises(cfg.ConfigError, match="--config nope.toml: no such file"):
+        cfg.load("nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(cfg.ConfigError, match="not valid TOML"):
+        cfg.load(str(bad))
+    flat = tmp_path / "flat.toml"
+    flat.write_text("epochs = 3\n")
+    with pytest.raises(cfg.ConfigError, match="top-level key 'epochs' must be a \\[section\\]"):
+        cfg.load(str(flat))
+
+
+def test_config_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.Config().train.epochs = 3

@@ -1,0 +1,89 @@
+import json
+
+import pytest
+import tensorflow as tf
+
+from app import cluster as clusters
+from app import strategy as strategies
+from app.config import ConfigError
+
+MULTI_WORKER = clusters.parse(json.dumps(
+    {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}))
+PS = clusters.parse(json.dumps(
+    {"cluster": {"chief": ["a:1"], "ps": ["b:1"], "worker": ["c:1"]},
+     "task": {"type": "chief", "index": 0}}))
+ONE_WORKER = clusters.parse(json.dumps(
+    {"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}))
+
+
+@pytest.mark.parametrize("name, cluster, gpus, expected", [
+    ("auto", None, 0, "default"),
+    ("auto", None, 1, "default"),
+    ("auto", None, 2, "mirrored"),
+    ("auto", ONE_WORKER, 0, "default"),
+    ("auto", ONE_WORKER, 4, "mirrored"),
+    ("auto", MULTI_WORKER, 0, "multi_worker_mirrored"),
+    ("auto", PS, 0, "parameter_server"),
+    ("default", None, 2, "default"),
+    ("mirrored", None, 0, "mirrored"),
+    ("multi_worker_mirrored", None, 0, "multi_worker_mirrored"),
+    ("multi_worker_mirrored", MULTI_WORKER, 0, "multi_worker_mirrored"),
+    ("parameter_server", PS, 0, "parameter_server"),
+])
+def test_choose(name, cluster, gpus, expected):
+    assert strategies.choose(name, cluster, gpus) == expected
+
+
+@pytest.mark.parametrize("name, cluster, message", [
+    ("mirrored", MULTI_WORKER, "--strategy mirrored trains on one host, but TF_CONFIG "
+                               "describes a cluster (2 worker); unset TF_CONFIG, or use "
+                               "--strategy auto"),
+    ("default", PS, "--strategy default trains on one host, but TF_CONFIG describes a "
+                    "cluster (1 chief, 1 ps, 1 worker)"),
+    ("multi_worker_mirrored", PS, "--strategy multi_worker_mirrored has no parameter servers, "
+                                  "but TF_CONFIG lists 1 'ps' task(s)"),
+    ("parameter_server", None, "--strategy parameter_server needs TF_CONFIG with 'chief', "
+                               "'worker' and 'ps' jobs"),
+    ("parameter_server", MULTI_WORKER, "--strategy parameter_server needs TF_CONFIG"),
+    ("tpu", None, "Unrecognized strategy 'tpu'; choose auto or one of default, mirrored"),
+])
+def test_impossible_combinations_are_errors(name, cluster, message):
+    with pytest.raises(ConfigError) as e:
+        strategies.choose(name, cluster, 0)
+    assert message in str(e.value)
+
+
+def test_default_strategy():
+    s = strategies.create("default")
+    assert s is tf.distribute.get_strategy()
+    assert strategies.describe(s) == "DefaultStrategy"
+
+
+def test_mirrored_uses_the_logical_cpu_devices():
+    s = strategies.create("mirrored")
+    assert isinstance(s, tf.distribute.MirroredStrategy)
+    assert s.num_replicas_in_sync == 2  # conftest split the CPU in two
+    assert strategies.describe(s) == "MirroredStrategy"
+
+
+def test_cluster_strategies_are_not_supported_yet():
+    with pytest.raises(ConfigError, match="strategy 'parameter_server' \\(chosen for TF_CONFIG "
+                                          "1 chief, 1 ps, 1 worker\\) is not supported yet"):
+        strategies.create("auto", PS)
+
+
+def test_split_cpu_after_start_must_match():
+    strategies.split_cpu(2)  # already so: fine
+    with pytest.raises(ConfigError, match="runtime.cpu_devices = 3, but TensorFlow already "
+                                          "started with 2 CPU device"):
+        strategies.split_cpu(3)
+
+
+def test_batch_must_divide_over_replicas():
+    assert strategies.check_batch(128, 2) == 64
+    with pytest.raises(ConfigError) as e:
+        strategies.check_batch(100, 3)
+    assert str(e.value) == ("train.global_batch_size (100) must be divisible by the number of "
+                            "replicas (3); use 99 or 102")
+    with pytest.raises(ConfigError, match=r"\(2\) must be divisible .* \(4\); use 4$"):
+        strategies.check_batch(2, 4)

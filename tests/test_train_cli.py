@@ -1,0 +1,73 @@
+"""The command line end to end, as a user runs it (subprocesses)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["--set", "data.train_examples=2000", "--set", "data.validation_examples=200",
+         "--set", "data.test_examples=500", "--set", "train.epochs=2",
+         "--set", "train.verbose=0"]
+
+
+def run_cli(*args, tf_config=None, cwd=None):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    if tf_config is not None:
+        env["TF_CONFIG"] = tf_config
+    return subprocess.run([sys.executable, "-m", "app.train", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
+    workdir = tmp_path / "run"
+    result = run_cli("--config", "configs/mnist.toml", *SMALL, "--workdir", str(workdir))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["strategy"] == "DefaultStrategy"
+    assert (metrics["num_replicas"], metrics["num_workers"], metrics["num_ps"]) == (1, 1, 0)
+    assert metrics["epochs_completed"] == 2 and metrics["steps"] == 2 * (1800 // 128)
+    assert metrics["num_test_examples"] == 500
+    assert metrics["test_accuracy"] > 0.8  # real digits, learnt in 28 steps
+    assert metrics["train_examples_per_sec"] > 0 and metrics["wall_seconds"] > 0
+    last_line = result.stdout.strip().splitlines()[-1]
+    assert last_line.startswith(f"test_accuracy={metrics['test_accuracy']:.4f} ")
+    assert "(500 test images)" in last_line
+    assert (workdir / "config.toml").exists()
+
+    again = run_cli("--config", "configs/mnist.toml", *SMALL, "--workdir", str(workdir))
+    assert again.returncode == 2
+    assert "already holds a finished run" in again.stderr
+    assert json.loads((workdir / "metrics.json").read_text()) == metrics
+
+
+@pytest.mark.slow
+def test_mirrored_on_two_logical_cpus(tmp_path):
+    result = run_cli("--strategy", "mirrored", "--set", "runtime.cpu_devices=2", *SMALL,
+                     "--set", "train.epochs=1", "--workdir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert (metrics["strategy"], metrics["num_replicas"]) == ("MirroredStrategy", 2)
+
+
+@pytest.mark.parametrize("args, tf_config, message", [
+    (["--set", "train.epochs=-1"], None, "error: train.epochs = -1 must be > 0"),
+    (["--set", "train.global_batch_size=33", "--strategy", "mirrored",
+      "--set", "runtime.cpu_devices=2"], None,
+     "error: train.global_batch_size (33) must be divisible by the number of replicas (2); "
+     "use 32 or 34"),
+    ([], "{oops", "error: TF_CONFIG is not valid JSON"),
+    ([], json.dumps({"cluster": {"ps": ["a:1"], "worker": ["b:1"]},
+                     "task": {"type": "ps", "index": 0}}),
+     "error: TF_CONFIG cluster has a 'ps' job but no 'chief'"),
+    (["--strategy", "mirrored"], json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
+                                             "task": {"type": "worker", "index": 0}}),
+     "error: --strategy mirrored trains on one host, but TF_CONFIG describes a cluster"),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
+    result = run_cli(*args, "--workdir", str(tmp_path / "w"), tf_config=tf_config)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(message)
+    assert "Traceback" not in result.stderr

@@ -1,0 +1,86 @@
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from app import callbacks, strategy, trainer
+from app import config as cfg
+
+FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_size",
+          "epochs_completed", "steps", "test_accuracy", "test_loss",
+          "train_examples_per_sec", "wall_seconds"}
+
+
+@pytest.fixture(scope="module")
+def mirrored_run(tmp_path_factory, tiny_datasets):
+    """Three epochs of Mirrored training over 2 logical CPUs, on tiny learnable data."""
+    tiny = tiny_datasets
+    workdir = tmp_path_factory.mktemp("run")
+    config = cfg.load(None, ["train.epochs=3", "train.global_batch_size=32",
+                             "train.learning_rate=0.003", "eval.batch_size=20"])
+    metrics = trainer.run(config, workdir, strategy=strategy.create("mirrored"), datasets=tiny)
+    return workdir, metrics, tiny
+
+
+def test_mirrored_run_reports_metrics_and_writes_artifacts(mirrored_run):
+    workdir, metrics, _ = mirrored_run
+    assert FIELDS <= set(metrics)
+    assert json.loads((workdir / "metrics.json").read_text()) == metrics
+    assert metrics["strategy"] == "MirroredStrategy" and metrics["num_replicas"] == 2
+    assert (metrics["epochs_completed"], metrics["steps"]) == (3, 3 * (512 // 32))
+    assert metrics["num_test_examples"] == 101
+    losses = [epoch["loss"] for epoch in metrics["history"]]
+    assert losses[-1] < losses[0]
+    assert metrics["test_accuracy"] > 0.5  # chance is 0.1
+    assert {"val_accuracy", "test_accuracy"} <= set(metrics["history"][0])
+    assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith("ckpt-3")
+    assert (workdir / "export" / "saved_model.pb").exists()
+    assert list((workdir / "tensorboard").glob("train/events.out.tfevents.*"))
+
+
+def test_test_accuracy_counts_every_test_image_exactly_once(mirrored_run):
+    """101 images over 2 replicas in batches of 20: nothing dropped, nothing doubled."""
+    workdir, metrics, tiny = mirrored_run
+    model = keras.models.load_model(workdir / "export")
+    logits = model.predict(tiny.test.images.astype(np.float32) / 255.0, verbose=0)
+    expected = np.mean(np.argmax(logits, axis=1) == tiny.test.labels)
+    assert metrics["test_accuracy"] == pytest.approx(expected, abs=1e-6)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(tiny.test.labels, logits)
+    assert metrics["test_loss"] == pytest.approx(float(loss), rel=1e-4)
+
+
+def test_global_batch_must_split_over_replicas(tmp_path, tiny_datasets):
+    config = cfg.load(None, ["train.global_batch_size=33"])
+    with pytest.raises(cfg.ConfigError, match=r"global_batch_size \(33\) must be divisible by "
+                                              r"the number of replicas \(2\); use 32 or 34"):
+        trainer.run(config, tmp_path, strategy=strategy.create("mirrored"), datasets=tiny_datasets)
+
+
+def test_batch_larger_than_the_training_set(tmp_path, tiny_datasets):
+    config = cfg.load(None, ["train.global_batch_size=1024"])
+    with pytest.raises(cfg.ConfigError, match=r"\(1024\) is larger than the training set "
+                                              r"\(512 examples\)"):
+        trainer.run(config, tmp_path, strategy=strategy.create("default"), datasets=tiny_datasets)
+
+
+def test_throughput_leaves_out_warmup_and_epoch_starts(monkeypatch):
+    clock = iter([0.0, 1.0, 1.5, 2.0,   # epoch 1: 4 calls of 2 steps each
+                  100.0, 100.5, 101.0])  # epoch 2 starts late (after validation)
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    meter = callbacks.Throughput(global_batch_size=10, warmup_steps=4)
+    meter.on_epoch_begin(0)
+    for last_step in (1, 3, 5, 7):  # steps_per_execution=2: Keras reports the last step run
+        meter.on_train_batch_end(last_step)
+    meter.on_epoch_begin(1)
+    for last_step in (1, 3, 5):
+        meter.on_train_batch_end(last_step)
+    # Counted: epoch 1 after the 4 warm-up steps (2 calls, 1.0 s, 4 steps) and epoch 2
+    # after its first call (2 calls, 1.0 s, 4 steps): 80 examples in 2 s.
+    assert (meter.steps, meter.seconds) == (8, 2.0)
+    assert meter.examples_per_sec() == 40.0
+
+
+def test_throughput_without_enough_steps_is_zero():
+    assert callbacks.Throughput(global_batch_size=10).examples_per_sec() == 0.0
