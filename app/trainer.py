@@ -109,14 +109,24 @@ def summary_line(metrics: dict[str, Any]) -> str:
 
 
 def _optimizer(config: Config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
-    t = config.train
-    lr: Any = t.learning_rate
-    if t.lr_schedule == "cosine":
-        lr = keras.optimizers.schedules.CosineDecay(
-            t.learning_rate, decay_steps=t.epochs * steps_per_epoch, alpha=t.final_lr_fraction)
-    if t.optimizer == "adam":
+    lr = learning_rate(config, steps_per_epoch)
+    if config.train.optimizer == "adam":
         return keras.optimizers.Adam(lr)
     return keras.optimizers.SGD(lr, momentum=0.9)
+
+
+def learning_rate(config: Config, steps_per_epoch: int
+                  ) -> float | keras.optimizers.schedules.LearningRateSchedule:
+    """The learning rate, or its schedule over optimizer steps."""
+    t = config.train
+    if t.lr_schedule == "cosine":
+        return keras.optimizers.schedules.CosineDecay(
+            t.learning_rate, decay_steps=t.epochs * steps_per_epoch, alpha=t.final_lr_fraction)
+    if t.lr_schedule == "cosine_restarts":
+        return keras.optimizers.schedules.CosineDecayRestarts(
+            t.learning_rate, first_decay_steps=t.lr_cycle_epochs * steps_per_epoch,
+            t_mul=1.0, m_mul=t.lr_cycle_decay, alpha=t.final_lr_fraction)
+    return t.learning_rate
 
 
 def _verbose(setting: str) -> str | int:

@@ -28,7 +28,7 @@ def test_round_trip_through_written_toml(tmp_path):
 @pytest.mark.parametrize("override, message", [
     ("trian.epochs=1", "unknown section 'trian' in 'trian.epochs'; sections are data, model"),
     ("train.epoch=1", "unknown key 'train.epoch'; keys of [train] are epochs,"),
-    ("train.epochs=1.5", "train.epochs = 1.5 has type float, expected int (e.g. train.epochs = 6)"),
+    ("train.epochs=1.5", "train.epochs = 1.5 has type float, expected int (e.g. train.epochs = 5)"),
     ("train.epochs=three", "train.epochs = 'three' has type str, expected int"),
     ("train.epochs=-1", "train.epochs = -1 must be > 0"),
     ("data.train_examples=-5", "data.train_examples = -5 must be >= 0"),

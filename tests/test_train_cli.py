@@ -28,9 +28,9 @@ def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["strategy"] == "DefaultStrategy"
     assert (metrics["num_replicas"], metrics["num_workers"], metrics["num_ps"]) == (1, 1, 0)
-    assert metrics["epochs_completed"] == 2 and metrics["steps"] == 2 * (1800 // 128)
+    assert metrics["epochs_completed"] == 2 and metrics["steps"] == 2 * (1800 // 32)
     assert metrics["num_test_examples"] == 500
-    assert metrics["test_accuracy"] > 0.8  # real digits, learnt in 28 steps
+    assert metrics["test_accuracy"] > 0.8  # real digits, learnt in 112 steps
     assert metrics["train_examples_per_sec"] > 0 and metrics["wall_seconds"] > 0
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith(f"test_accuracy={metrics['test_accuracy']:.4f} ")

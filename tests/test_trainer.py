@@ -84,3 +84,23 @@ def test_throughput_leaves_out_warmup_and_epoch_starts(monkeypatch):
 
 def test_throughput_without_enough_steps_is_zero():
     assert callbacks.Throughput(global_batch_size=10).examples_per_sec() == 0.0
+
+
+def test_cosine_restarts_anneal_every_epoch_from_a_decaying_peak():
+    config = cfg.load(None, ["train.lr_schedule=cosine_restarts", "train.learning_rate=0.01",
+                             "train.final_lr_fraction=0.01", "train.lr_cycle_decay=0.5"])
+    lr = trainer.learning_rate(config, steps_per_epoch=100)
+    assert float(lr(0)) == pytest.approx(0.01)
+    assert float(lr(99)) < 0.0002  # annealed by the end of the first epoch
+    # Restarts at half the previous peak (Keras decays the cosine part, not the floor).
+    assert float(lr(100)) == pytest.approx(0.01 * (0.01 + 0.99 * 0.5))
+    assert float(lr(200)) == pytest.approx(0.01 * (0.01 + 0.99 * 0.25))
+
+
+def test_cosine_decays_once_over_the_whole_run():
+    config = cfg.load(None, ["train.lr_schedule=cosine", "train.epochs=4",
+                             "train.learning_rate=0.01", "train.final_lr_fraction=0.1"])
+    lr = trainer.learning_rate(config, steps_per_epoch=10)
+    assert float(lr(0)) == pytest.approx(0.01)
+    assert float(lr(20)) == pytest.approx(0.01 * (0.1 + 0.9 * 0.5))
+    assert float(lr(40)) == pytest.approx(0.001)
