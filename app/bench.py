@@ -21,11 +21,11 @@ import tempfile
 
 from app import config as cfg
 
-# name -> extra command-line arguments for app.train
+# row -> extra command-line arguments for app.train
 ROWS: dict[str, list[str]] = {
-    "baseline (default strategy)": ["--strategy", "default"],
-    "mirrored, 1 device": ["--strategy", "mirrored"],
-    "mirrored, 2 logical CPUs": ["--strategy", "mirrored", "--set", "runtime.cpu_devices=2"],
+    "baseline": ["--strategy", "default"],  # plain single-process fit
+    "mirrored_1dev": ["--strategy", "mirrored"],
+    "mirrored_2cpu": ["--strategy", "mirrored", "--set", "runtime.cpu_devices=2"],
 }
 BASELINE = next(iter(ROWS))
 

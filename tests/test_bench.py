@@ -19,11 +19,11 @@ def test_unknown_row_is_an_error(capsys):
 
 @pytest.mark.slow
 def test_smoke_writes_a_report_with_ratios(tmp_path):
-    code = bench.main(["--steps", "30", "--repeats", "1", "--rows", "mirrored, 1 device",
+    code = bench.main(["--steps", "30", "--repeats", "1", "--rows", "mirrored_1dev",
                        "--set", "train.global_batch_size=32", "--workdir", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
     rows = report["rows"]
-    assert list(rows) == [bench.BASELINE, "mirrored, 1 device"]  # baseline added first
+    assert list(rows) == [bench.BASELINE, "mirrored_1dev"]  # baseline added first
     assert rows[bench.BASELINE]["ratio"] == 1.0
     assert all(r["examples_per_sec"] > 0 and len(r["samples"]) == 1 for r in rows.values())
