@@ -143,6 +143,11 @@ def to_dict(config: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(config)
 
 
+def flatten(config: Config) -> dict[str, Any]:
+    """{"section.key": value} for every field."""
+    return {f"{s}.{k}": v for s, values in to_dict(config).items() for k, v in values.items()}
+
+
 def to_toml(config: Config) -> str:
     """Serialise to TOML that `load` reads back to an equal Config."""
     lines = []
@@ -161,7 +166,7 @@ def write(config: Config, workdir: pathlib.Path) -> pathlib.Path:
 
 def validate(config: Config) -> None:
     """Checks that need no cluster; the batch/replica check lives with the strategy."""
-    flat = {f"{s}.{k}": v for s, values in to_dict(config).items() for k, v in values.items()}
+    flat = flatten(config)
     for key, allowed in _CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key} = {flat[key]!r} is not one of {', '.join(allowed)}")

@@ -30,8 +30,8 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
             "choose a new --workdir")
     saved = path / "config.toml"
     if saved.exists() and has_backup(path):
-        before = _flat(cfg.load(str(saved)))
-        changed = [f"{k}: {before[k]!r} -> {v!r}" for k, v in _flat(config).items()
+        before = cfg.flatten(cfg.load(str(saved)))
+        changed = [f"{k}: {before[k]!r} -> {v!r}" for k, v in cfg.flatten(config).items()
                    if before[k] != v]
         if changed:
             raise cfg.ConfigError(
@@ -48,6 +48,3 @@ def has_backup(path: pathlib.Path) -> bool:
     backup = path / BACKUP_DIR
     return backup.is_dir() and any(p.is_file() for p in backup.rglob("*"))
 
-
-def _flat(config: cfg.Config) -> dict:
-    return {f"{s}.{k}": v for s, values in cfg.to_dict(config).items() for k, v in values.items()}
