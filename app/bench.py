@@ -73,9 +73,10 @@ def run(rows: list[str], base_args: list[str], repeats: int) -> dict[str, dict]:
                 samples[row].append(metrics["train_examples_per_sec"])
                 print(f"  repeat {r + 1}/{repeats} {row}: "
                       f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
-    base = statistics.median(samples[rows[0]])
-    return {row: {"examples_per_sec": statistics.median(s), "samples": s,
-                  "ratio": round(statistics.median(s) / base, 3)} for row, s in samples.items()}
+    medians = {row: statistics.median(s) for row, s in samples.items()}
+    base = medians[rows[0]]
+    return {row: {"examples_per_sec": medians[row], "samples": s,
+                  "ratio": round(medians[row] / base, 3)} for row, s in samples.items()}
 
 
 def table(results: dict[str, dict]) -> str:
