@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
+from typing import Callable
 
 import tensorflow as tf
 import tf_keras as keras
@@ -16,18 +17,17 @@ log = logging.getLogger(__name__)
 
 
 def for_training(config: Config, workdir: pathlib.Path, model: keras.Model,
-                 throughput: Throughput, test_ds: tf.data.Dataset | None,
+                 throughput: Throughput, evaluations: list[Evaluation],
                  ) -> list[keras.callbacks.Callback]:
-    """The callbacks of a run, in order: test results join the epoch's logs
-    before TensorBoard and History record them."""
+    """The callbacks of a run, in order: throughput stops its clock before the
+    backup and the evaluations, whose results join the epoch's logs before TensorBoard and
+    History record them."""
     cbs: list[keras.callbacks.Callback] = [
         # Resumes an interrupted run from its last epoch; deleted when fit() ends.
-        keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
         throughput,
-    ]
-    if test_ds is not None:
-        cbs.append(TestEvaluation(test_ds))
-    cbs += [
+        keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
+        *evaluations,
+
         EpochCheckpoint(model, workdir / "checkpoints", keep=config.checkpoint.keep),
         keras.callbacks.TensorBoard(str(workdir / "tensorboard"), update_freq="epoch"),
     ]
@@ -40,10 +40,17 @@ class Throughput(keras.callbacks.Callback):
     Counts only the time between consecutive batch ends inside an epoch, so
     the first `warmup_steps` (tracing, pipeline fill), each epoch's start and
     the validation after it are left out.
+
+    Under a ClusterCoordinator, a batch "ends" when it is scheduled, not run.
+    There the clock starts once the first `warmup_steps` have *run* (the
+    coordinator is joined once, at that step) and stops at the epoch's end,
+    when fit() has joined it again, before any evaluation.
     """
 
     def __init__(self, global_batch_size: int, warmup_steps: int = 20):
         super().__init__()
+        # Allows batch hooks under ParameterServerStrategy; `logs` are never read.
+        self._supports_tf_logs = True
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
         self.seconds = 0.0
@@ -56,6 +63,10 @@ class Throughput(keras.callbacks.Callback):
         self._last, self._done_in_epoch = None, 0
 
     def on_train_batch_end(self, batch, logs=None):
+        coordinator = self._coordinator()
+        if coordinator is not None:
+            self._scheduled(batch + 1, coordinator)
+            return
         now = time.perf_counter()
         done = batch + 1  # Keras passes the index of the last step run.
         new_steps = done - self._done_in_epoch
@@ -65,25 +76,48 @@ class Throughput(keras.callbacks.Callback):
         self._seen += new_steps
         self._last, self._done_in_epoch = now, done
 
+    def _scheduled(self, done: int, coordinator) -> None:
+        first_call = self._done_in_epoch == 0
+        if self._last is None and (first_call and self._seen >= self.warmup_steps
+                                   or self._seen + done >= self.warmup_steps):
+            if first_call:  # nothing ran yet this epoch: count this call's steps too
+                self._last, self._start_step = time.perf_counter(), 0
+            else:
+                coordinator.join()
+                self._last, self._start_step = time.perf_counter(), done
+        self._done_in_epoch = done
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self._coordinator() is None:
+            return
+        if self._last is not None:
+            self.seconds += time.perf_counter() - self._last
+            self.steps += self._done_in_epoch - self._start_step
+        self._seen += self._done_in_epoch
+
+    def _coordinator(self):
+        return getattr(self.model, "_cluster_coordinator", None)
+
     def examples_per_sec(self) -> float:
         if not self.seconds:
             return 0.0  # Too few steps past the warm-up to measure.
         return round(self.steps * self.global_batch_size / self.seconds, 1)
 
 
-class TestEvaluation(keras.callbacks.Callback):
-    """Evaluates the test set after each epoch and adds `test_*` to the epoch's logs."""
+class Evaluation(keras.callbacks.Callback):
+    """Evaluates a dataset after each epoch and adds `<prefix>*` to the epoch's logs."""
 
-    def __init__(self, dataset: tf.data.Dataset):
+    def __init__(self, dataset: tf.data.Dataset,
+                 evaluate: Callable[[tf.data.Dataset], dict[str, float]], prefix: str):
         super().__init__()
-        self.dataset = dataset
+        self.dataset, self.evaluate, self.prefix = dataset, evaluate, prefix
 
     def on_epoch_end(self, epoch, logs=None):
-        results = self.model.evaluate(self.dataset, verbose=0, return_dict=True)
+        results = self.evaluate(self.dataset)
         if logs is not None:
-            logs.update({f"test_{name}": value for name, value in results.items()})
-        log.info("epoch %d: test accuracy %.4f, test loss %.4f",
-                 epoch + 1, results["accuracy"], results["loss"])
+            logs.update({f"{self.prefix}{name}": value for name, value in results.items()})
+        log.info("epoch %d: %saccuracy %.4f, %sloss %.4f", epoch + 1,
+                 self.prefix, results["accuracy"], self.prefix, results["loss"])
 
 
 class EpochCheckpoint(keras.callbacks.Callback):

@@ -93,6 +93,19 @@ class ClusterConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class PSConfig:
+    # How large variables are split into ShardedVariables over the `ps` tasks:
+    # "min_size": shards of at least `shard_bytes`, at most one per ps task
+    #   (small variables stay whole; the big dense kernel spreads evenly);
+    # "max_size": shards of at most `shard_bytes`;
+    # "fixed": `num_shards` shards for every variable (0 = one per ps task);
+    # "none": whole variables, placed round-robin as TF1 did.
+    partitioner: str = "min_size"
+    shard_bytes: int = 256 << 10
+    num_shards: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     keep: int = 3
 
@@ -105,6 +118,7 @@ class Config:
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
+    ps: PSConfig = PSConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
 
@@ -113,15 +127,17 @@ _CHOICES = {
     "train.optimizer": ("adam", "sgd"),
     "train.lr_schedule": ("cosine", "cosine_restarts", "constant"),
     "train.verbose": ("auto", "0", "1", "2"),
+    "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
     "runtime.strategy": (
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
 }
 _POSITIVE = ("train.epochs", "train.global_batch_size", "train.steps_per_execution",
-             "eval.batch_size", "cluster.connect_timeout_s", "checkpoint.keep",
+             "eval.batch_size", "cluster.connect_timeout_s", "ps.shard_bytes", "checkpoint.keep",
              "train.learning_rate", "train.lr_cycle_epochs", "train.lr_cycle_decay")
 _NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_examples",
                  "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
-                 "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed")
+                 "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
+                 "ps.num_shards")
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -12,7 +12,7 @@ import logging
 import tensorflow as tf
 
 from app.cluster import Cluster
-from app.config import ConfigError, RuntimeConfig
+from app.config import Config, ConfigError, RuntimeConfig
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,8 @@ def choose(name: str, cluster: Cluster | None, num_gpus: int) -> str:
     raise ConfigError(f"Unrecognized strategy {name!r}; choose auto or one of {', '.join(NAMES)}")
 
 
-def create(name: str, cluster: Cluster | None = None) -> tf.distribute.Strategy:
+def create(name: str, cluster: Cluster | None = None,
+           config: Config = Config()) -> tf.distribute.Strategy:
     """Build the strategy `name` ("auto" or one of NAMES)."""
     gpus = tf.config.list_logical_devices("GPU")
     choice = choose(name, cluster, len(gpus))
@@ -85,7 +86,11 @@ def create(name: str, cluster: Cluster | None = None) -> tf.distribute.Strategy:
         devices = [d.name for d in gpus or tf.config.list_logical_devices("CPU")]
         log.info("MirroredStrategy over %s", ", ".join(devices))
         return tf.distribute.MirroredStrategy(devices)
-    if choice in ("multi_worker_mirrored", "parameter_server"):
+    if choice == "parameter_server":
+        from app import parameter_server
+
+        return parameter_server.create(cluster, config.ps, config.cluster.connect_timeout_s)
+    if choice == "multi_worker_mirrored":
         raise ConfigError(
             f"strategy {choice!r} (chosen for TF_CONFIG {_shape(cluster)}) is not supported "
             "yet; train on one host (unset TF_CONFIG) for now")
@@ -94,6 +99,8 @@ def create(name: str, cluster: Cluster | None = None) -> tf.distribute.Strategy:
 
 def describe(strategy: tf.distribute.Strategy) -> str:
     """The strategy's public class name (the default one's class is private)."""
+    if isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        return "ParameterServerStrategy"  # also for app.parameter_server's subclass
     name = type(strategy).__name__
     return "DefaultStrategy" if name == "_DefaultDistributionStrategy" else name
 

@@ -56,6 +56,11 @@ def main(argv: list[str] | None = None) -> int:
         if cluster and cluster.task_type == "evaluator":
             raise cfg.ConfigError(
                 "TF_CONFIG task.type = 'evaluator' is not supported yet; run it without TF_CONFIG")
+        if cluster and cluster.num_ps and cluster.task_type in ("ps", "worker"):
+            from app import parameter_server  # TensorFlow starts here, after all checks.
+
+            parameter_server.serve(cluster, config.runtime)  # returns when the chief is done
+            return 0
         workdir = workdirs.prepare(args.workdir or workdirs.default_path(), config)
         log.info("workdir %s", workdir)
 

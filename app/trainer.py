@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, data, models
+from app import callbacks, data, models, parameter_server
 from app import strategy as strategies
 from app.cluster import Cluster
 from app.config import Config, ConfigError
@@ -32,7 +32,8 @@ def run(config: Config, workdir: pathlib.Path, *,
     """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`."""
     start = time.perf_counter()
     workdir = pathlib.Path(workdir)
-    strategy = strategy or strategies.create(config.runtime.strategy, cluster)
+    strategy = strategy or strategies.create(config.runtime.strategy, cluster, config)
+    coordinated = isinstance(strategy, tf.distribute.ParameterServerStrategy)
     replicas = strategy.num_replicas_in_sync
     strategies.check_batch(config.train.global_batch_size, replicas)
     keras.utils.set_random_seed(config.train.seed)
@@ -56,8 +57,29 @@ def run(config: Config, workdir: pathlib.Path, *,
             metrics=["accuracy"],
             steps_per_execution=config.train.steps_per_execution,
         )
+        model.optimizer.build(model.trainable_variables)  # slots now, for the placement report
+
+    ps_placement = None
+    if coordinated:
+        ps_placement = parameter_server.placement(
+            model.variables + model.optimizer.variables(), strategy._num_ps)
+        for line in ps_placement.report():
+            log.info("%s", line)
+        # Evaluation runs on the chief, on a local copy of the weights: exact (every
+        # test image once), where evaluating through the coordinator is not.
+        evaluate = _local_evaluator(model, config, datasets)
+    else:
+        def evaluate(dataset: tf.data.Dataset) -> dict[str, float]:
+            return model.evaluate(dataset, verbose=0, return_dict=True)
 
     test_ds = data.eval_dataset(datasets.test, config.eval.batch_size)
+    val_ds = (data.eval_dataset(datasets.validation, config.eval.batch_size)
+              if datasets.validation else None)
+    evaluations = []
+    if coordinated and val_ds is not None:
+        evaluations.append(callbacks.Evaluation(val_ds, evaluate, prefix="val_"))
+    if config.eval.test_every_epoch:
+        evaluations.append(callbacks.Evaluation(test_ds, evaluate, prefix="test_"))
     throughput = callbacks.Throughput(config.train.global_batch_size)
     history = model.fit(
         keras.utils.experimental.DatasetCreator(data.train_dataset_fn(
@@ -66,15 +88,13 @@ def run(config: Config, workdir: pathlib.Path, *,
             augment_shift=config.data.augment_shift)),
         epochs=config.train.epochs,
         steps_per_epoch=steps_per_epoch,
-        validation_data=(data.eval_dataset(datasets.validation, config.eval.batch_size)
-                         if datasets.validation else None),
-        callbacks=callbacks.for_training(config, workdir, model, throughput,
-                                         test_ds if config.eval.test_every_epoch else None),
+        validation_data=None if coordinated else val_ds,
+        callbacks=callbacks.for_training(config, workdir, model, throughput, evaluations),
         verbose=_verbose(config.train.verbose),
     )
 
-    test = model.evaluate(test_ds, verbose=0, return_dict=True)
-    model.save(workdir / "export", save_format="tf")
+    test = evaluate(test_ds)
+    (evaluate.local_model if coordinated else model).save(workdir / "export", save_format="tf")
     metrics = {
         "strategy": strategies.describe(strategy),
         "num_replicas": replicas,
@@ -92,8 +112,42 @@ def run(config: Config, workdir: pathlib.Path, *,
         "dataset": config.data.name,
         "history": _history(history),
     }
+    if ps_placement:
+        metrics["ps_bytes"] = ps_placement.ps_bytes
+        metrics["ps_balance"] = ps_placement.balance
+        metrics["ps_partitioner"] = config.ps.partitioner
     (workdir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
+
+
+def _local_evaluator(model: keras.Model, config: Config, datasets: data.Datasets):
+    """evaluate(dataset) on a non-distributed copy of `model`, refreshed from the ps tasks.
+
+    Keras' own evaluate() cannot be used on the copy: called from a callback
+    inside fit(), it would pick up the ParameterServerStrategy and send the
+    work to the workers. A plain forward pass over the dataset is exact anyway.
+    """
+    # Outside the strategy's scope: its variables live on the chief.
+    local = models.build(config.model.name, datasets.image_shape, datasets.num_classes,
+                         dropout=config.model.dropout)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum")
+
+    @tf.function
+    def sums(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        logits = local(images, training=False)
+        hits = tf.cast(tf.argmax(logits, axis=-1) == tf.cast(labels, tf.int64), tf.float64)
+        return tf.cast(loss_fn(labels, logits), tf.float64), tf.reduce_sum(hits)
+
+    def evaluate(dataset: tf.data.Dataset) -> dict[str, float]:
+        local.set_weights(parameter_server.gather_weights(model))
+        loss = hits = count = 0.0
+        for images, labels in dataset:
+            batch_loss, batch_hits = sums(images, labels)
+            loss, hits, count = loss + float(batch_loss), hits + float(batch_hits), count + len(labels)
+        return {"loss": loss / count, "accuracy": hits / count}
+
+    evaluate.local_model = local
+    return evaluate
 
 
 def summary_line(metrics: dict[str, Any]) -> str:

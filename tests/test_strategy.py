@@ -5,6 +5,7 @@ import tensorflow as tf
 
 from app import cluster as clusters
 from app import strategy as strategies
+from app import config as cfg
 from app.config import ConfigError
 
 MULTI_WORKER = clusters.parse(json.dumps(
@@ -66,10 +67,18 @@ def test_mirrored_uses_the_logical_cpu_devices():
     assert strategies.describe(s) == "MirroredStrategy"
 
 
-def test_cluster_strategies_are_not_supported_yet():
-    with pytest.raises(ConfigError, match="strategy 'parameter_server' \\(chosen for TF_CONFIG "
-                                          "1 chief, 1 ps, 1 worker\\) is not supported yet"):
-        strategies.create("auto", PS)
+def test_multi_worker_mirrored_is_not_supported_yet():
+    with pytest.raises(ConfigError, match="strategy 'multi_worker_mirrored' \\(chosen for "
+                                          "TF_CONFIG 2 worker\\) is not supported yet"):
+        strategies.create("auto", MULTI_WORKER)
+
+
+def test_parameter_server_gives_up_on_tasks_that_never_answer():
+    config = cfg.load(overrides=["cluster.connect_timeout_s=1"])
+    with pytest.raises(clusters.ClusterError) as e:
+        strategies.create("auto", PS, config)
+    assert str(e.value).startswith(
+        "no answer within cluster.connect_timeout_s = 1 s from ps:0 at b:1, worker:0 at c:1; ")
 
 
 def test_split_cpu_after_start_must_match():

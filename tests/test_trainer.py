@@ -1,6 +1,8 @@
 import json
 
 import numpy as np
+import types
+
 import pytest
 import tensorflow as tf
 import tf_keras as keras
@@ -80,6 +82,29 @@ def test_throughput_leaves_out_warmup_and_epoch_starts(monkeypatch):
     # after its first call (2 calls, 1.0 s, 4 steps): 80 examples in 2 s.
     assert (meter.steps, meter.seconds) == (8, 2.0)
     assert meter.examples_per_sec() == 40.0
+
+
+def test_throughput_under_a_coordinator_times_steps_run_not_scheduled(monkeypatch):
+    class Coordinator:
+        joins = 0
+
+        def join(self):
+            self.joins += 1
+
+    coordinator = Coordinator()
+    clock = iter([10.0, 14.0, 50.0, 52.0])
+    monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
+    meter = callbacks.Throughput(global_batch_size=10, warmup_steps=4)
+    meter.set_model(types.SimpleNamespace(_cluster_coordinator=coordinator))
+    for epoch in range(2):
+        meter.on_epoch_begin(epoch)
+        for step in range(8):  # scheduled at once; they run later
+            meter.on_train_batch_end(step)
+        meter.on_epoch_end(epoch)  # fit() has joined the coordinator by now
+    # The clock starts after the 4th step of epoch 1 has run (one join) and at the
+    # start of epoch 2, and stops at each epoch's end: 4 steps in 4 s, 8 in 2 s.
+    assert coordinator.joins == 1
+    assert (meter.steps, meter.seconds) == (12, 6.0)
 
 
 def test_throughput_without_enough_steps_is_zero():

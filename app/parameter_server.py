@@ -1,0 +1,285 @@
+"""Parameter-server training: the strategy, its coordinator, and where variables live.
+
+`create` gives the chief a `ParameterServerStrategy` with a variable
+partitioner, after checking that every `ps` and `worker` task answers within
+`cluster.connect_timeout_s`. `placement` reports which PS task holds how many
+bytes; `app.plan` predicts the same without a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import socket
+import time
+from typing import Iterable
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.distribute import input_lib
+from tensorflow.python.distribute.coordinator import values as coordinator_values
+
+from app.cluster import Cluster, ClusterError
+from app.config import ConfigError, PSConfig, RuntimeConfig
+
+log = logging.getLogger(__name__)
+
+Coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
+
+
+def partitioner(ps: PSConfig, num_ps: int) -> tf.distribute.experimental.partitioners.Partitioner | None:
+    """The ShardedVariable partitioner `ps.partitioner` names, for `num_ps` ps tasks."""
+    partitioners = tf.distribute.experimental.partitioners
+    if ps.partitioner == "none":
+        return None
+    if ps.partitioner == "min_size":
+        return partitioners.MinSizePartitioner(min_shard_bytes=ps.shard_bytes, max_shards=num_ps)
+    if ps.partitioner == "max_size":
+        return partitioners.MaxSizePartitioner(max_shard_bytes=ps.shard_bytes)
+    if ps.partitioner == "fixed":
+        return partitioners.FixedShardsPartitioner(ps.num_shards or num_ps)
+    raise ConfigError(f"ps.partitioner = {ps.partitioner!r} is not one of "
+                      "min_size, max_size, fixed, none")
+
+
+def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
+    """The chief's strategy, with its (per-worker input) coordinator attached."""
+    wait_for_tasks(cluster, connect_timeout_s)
+    strategy = ShardedInputStrategy(cluster.resolver(),
+                                    variable_partitioner=partitioner(ps, cluster.num_ps))
+    # tf_keras' fit() asks for `ClusterCoordinator(strategy)`, which returns the
+    # one already attached to the strategy: this one.
+    ShardedInputCoordinator(strategy)
+    return strategy
+
+
+def wait_for_tasks(cluster: Cluster, timeout_s: float, poll_s: float = 0.5) -> None:
+    """Return once every ps and worker task accepts connections; else ClusterError.
+
+    TensorFlow itself would wait without end ("CreateSession still waiting for
+    response from worker"); here the chief names the tasks that never answered.
+    """
+    pending = {f"{job}:{i}": address for job in ("ps", "worker")
+               for i, address in enumerate(cluster.jobs.get(job, ()))}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pending = {task: address for task, address in pending.items() if not reachable(address)}
+        if not pending:
+            return
+        if time.monotonic() >= deadline:
+            missing = ", ".join(f"{task} at {address}" for task, address in pending.items())
+            raise ClusterError(
+                f"no answer within cluster.connect_timeout_s = {timeout_s:g} s from {missing}; "
+                "start those tasks (python -m app.train with their TF_CONFIG), check the "
+                "addresses in TF_CONFIG, or raise cluster.connect_timeout_s")
+        log.info("waiting for %s", ", ".join(pending))
+        time.sleep(poll_s)
+
+
+def reachable(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,
+          grace_s: float = 5.0) -> None:
+    """Serve this ps or worker task until the chief has come and gone.
+
+    The chief connects to the cluster at its own address, so a task can see it
+    arrive and leave; it returns once the chief has been unreachable for
+    `grace_s` after having been seen (TF's `server.join()` never returns).
+    """
+    config = tf.compat.v1.ConfigProto()
+    # Fewer inter-op threads than workers + 1 can deadlock a task that runs
+    # several workers' functions at once on a small host.
+    config.inter_op_parallelism_threads = runtime.inter_op_threads or cluster.num_workers + 1
+    if runtime.intra_op_threads:
+        config.intra_op_parallelism_threads = runtime.intra_op_threads
+    tf.distribute.Server(cluster.resolver().cluster_spec(), job_name=cluster.task_type,
+                         task_index=cluster.task_index, protocol=cluster.rpc_layer,
+                         config=config, start=True)
+    chief = cluster.jobs["chief"][0]
+    log.info("serving at %s; waiting for the chief at %s",
+             cluster.jobs[cluster.task_type][cluster.task_index], chief)
+    seen, gone_since = False, None
+    while True:
+        if reachable(chief):
+            if not seen:
+                log.info("the chief is up")
+            seen, gone_since = True, None
+        elif seen:
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since >= grace_s:
+                log.info("the chief has finished; stopping")
+                return
+        time.sleep(poll_s)
+
+
+class ShardedInputStrategy(tf.distribute.ParameterServerStrategy):
+    """ParameterServerStrategy whose `dataset_fn` sees one input pipeline per worker.
+
+    TensorFlow's strategy traces `dataset_fn` once, with an InputContext of a
+    single pipeline, and runs that one dataset on every worker, so all workers
+    read the same data (tensorflow/tensorflow#53080). `ShardedInputCoordinator`
+    traces it once per worker instead, and while it does, `input_worker` tells
+    this strategy which worker's InputContext to pass: pipeline i of
+    num_workers, so `dataset.shard(...)` gives each worker a disjoint part.
+    """
+
+    input_worker: int | None = None
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        index = self.input_worker
+        if index is None:
+            return super().distribute_datasets_from_function(dataset_fn, options)
+
+        def worker_dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            return dataset_fn(tf.distribute.InputContext(
+                num_input_pipelines=self._num_workers, input_pipeline_id=index,
+                num_replicas_in_sync=context.num_replicas_in_sync))
+
+        return super().distribute_datasets_from_function(worker_dataset_fn, options)
+
+
+class ShardedInputCoordinator(Coordinator):
+    """ClusterCoordinator that builds each worker's dataset from its own trace."""
+
+    def create_per_worker_dataset(self, dataset_fn):
+        if not callable(dataset_fn) or not isinstance(self.strategy, ShardedInputStrategy):
+            return super().create_per_worker_dataset(dataset_fn)
+        return _PerWorkerDataset(dataset_fn, self)
+
+
+class _PerWorkerDataset:
+    """What `PerWorkerDatasetFromDatasetFunction` is, with one trace per worker."""
+
+    def __init__(self, dataset_fn, coordinator: ShardedInputCoordinator):
+        self._coordinator = coordinator
+        strategy = coordinator.strategy
+        self._traced = []
+        for index in range(len(coordinator._cluster.workers)):
+            strategy.input_worker = index
+            try:
+                self._traced.append(
+                    coordinator_values.PerWorkerDatasetFromDatasetFunction(dataset_fn, coordinator))
+            finally:
+                strategy.input_worker = None
+
+    @property
+    def element_spec(self):
+        return self._traced[0].element_spec
+
+    def build(self):
+        return self._per_worker(lambda fn: fn(), lambda fn: fn.structured_outputs._type_spec)
+
+    def __iter__(self):
+        strategy = self._coordinator.strategy
+        values = self._per_worker(
+            lambda fn: iter(fn()),
+            lambda fn: input_lib.get_iterator_spec_from_dataset(strategy, fn.structured_outputs))
+        return coordinator_values.PerWorkerDistributedIterator(values._values)
+
+    def _per_worker(self, make, type_spec):
+        """Run `make(dataset_fn)` on each worker as a resource it re-creates on recovery."""
+        remotes = []
+        for worker, traced in zip(self._coordinator._cluster.workers, self._traced):
+            fn = traced._dataset_fn
+            remote = worker.create_resource(lambda fn=fn: make(fn))
+            remote._type_spec = type_spec(fn)  # as TensorFlow's own per-worker dataset does
+            remotes.append(remote)
+        return coordinator_values.PerWorkerValues(tuple(remotes))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    variable: str  # the variable's name, without the partition suffix
+    ps_task: int
+    shape: tuple[int, ...]
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Which ps task holds which variable shards, and the bytes per task."""
+
+    num_ps: int
+    shards: tuple[Shard, ...]
+
+    @property
+    def ps_bytes(self) -> list[int]:
+        totals = [0] * self.num_ps
+        for shard in self.shards:
+            totals[shard.ps_task] += shard.bytes
+        return totals
+
+    @property
+    def balance(self) -> float:
+        """max / mean bytes over the ps tasks: 1.0 is perfect, num_ps is all on one."""
+        totals = self.ps_bytes
+        mean = sum(totals) / len(totals)
+        return round(max(totals) / mean, 4) if mean else 1.0
+
+    def report(self) -> list[str]:
+        by_variable: dict[str, list[Shard]] = {}
+        for shard in self.shards:
+            by_variable.setdefault(shard.variable, []).append(shard)
+        width = max(len(name) for name in by_variable)
+        lines = [f"placement over {self.num_ps} ps task(s) (optimizer slots included):"]
+        for name, shards in by_variable.items():
+            where = " ".join(f"ps:{s.ps_task}" for s in shards)
+            total = sum(s.bytes for s in shards)
+            lines.append(f"  {name:<{width}}  {len(shards)} shard(s) on {where:<12} "
+                         f"{_size(total):>10}")
+        lines += [f"  ps:{i}  {_size(b):>10}" for i, b in enumerate(self.ps_bytes)]
+        lines.append(f"  max/mean = {self.balance:.3f}")
+        return lines
+
+
+def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
+    """Where `variables` (ShardedVariables expanded) live among the ps tasks."""
+    shards = []
+    for var in _unique(variables):
+        for part in getattr(var, "variables", None) or [var]:
+            task = tf.DeviceSpec.from_string(part.device).task
+            if task is None:
+                raise ValueError(f"variable {part.name} is on {part.device!r}, not a ps task")
+            shards.append(Shard(_base_name(part.name), task, tuple(part.shape),
+                                part.shape.num_elements() * part.dtype.size))
+    return Placement(num_ps, tuple(shards))
+
+
+def gather_weights(model) -> list[np.ndarray]:
+    """`model.get_weights()` with each ShardedVariable's parts joined into one array,
+    as the same model built without a partitioner holds them."""
+    parts: dict[str, list[tf.Variable]] = {}  # by variable name, in model order
+    for var in model.weights:
+        parts.setdefault(_base_name(var.name), []).append(var)
+    return [np.concatenate([v.numpy() for v in group]) for group in parts.values()]
+
+
+def _unique(variables: Iterable[tf.Variable]) -> list[tf.Variable]:
+    seen, out = set(), []
+    for var in variables:
+        if id(var) not in seen:
+            seen.add(id(var))
+            out.append(var)
+    return out
+
+
+def _base_name(name: str) -> str:
+    name = name.removesuffix(":0")
+    head, sep, tail = name.rpartition("/part_")
+    return head if sep and tail.isdigit() else name
+
+
+def _size(num_bytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if num_bytes < 1024 or unit == "GiB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1024
+    return ""

@@ -1,0 +1,68 @@
+"""`make local-cluster`: a whole parameter-server cluster inside one process.
+
+The TensorFlow tutorial's way: the ps and worker servers are started
+in-process on free ports, this process becomes the chief (TF_CONFIG is set
+for it), and `app.train` trains as it would on a real cluster. The servers
+live until the process exits (TensorFlow cannot stop them).
+
+    python -m launch.inprocess --workers 2 --ps 2 --config configs/mnist_ps.toml
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import portpicker
+
+# Before TensorFlow is imported, as app.train does.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+
+
+def cluster_spec(num_workers: int, num_ps: int) -> dict[str, list[str]]:
+    """A chief, `num_workers` workers and `num_ps` ps tasks on free local ports."""
+    def addresses(n: int) -> list[str]:
+        return [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+
+    return {"chief": addresses(1), "worker": addresses(num_workers), "ps": addresses(num_ps)}
+
+
+def start_servers(spec: dict[str, list[str]], inter_op_threads: int = 0) -> None:
+    """Start every ps and worker server of `spec` in this process."""
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto()
+    # On a 2-core host a task running several workers' functions at once can
+    # deadlock with fewer inter-op threads than workers + 1.
+    config.inter_op_parallelism_threads = inter_op_threads or len(spec["worker"]) + 1
+    cluster = tf.train.ClusterSpec(spec)
+    for job in ("ps", "worker"):
+        for index in range(len(spec[job])):
+            tf.distribute.Server(cluster, job_name=job, task_index=index, protocol="grpc",
+                                 config=config, start=True)
+
+
+def become_chief(spec: dict[str, list[str]]) -> None:
+    os.environ["TF_CONFIG"] = json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m launch.inprocess",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--ps", type=int, default=1)
+    args, train_args = parser.parse_known_args(argv)
+    if args.workers < 1 or args.ps < 1:
+        parser.error("--workers and --ps must be at least 1")
+    spec = cluster_spec(args.workers, args.ps)
+    start_servers(spec)
+    become_chief(spec)
+    from app import train
+
+    return train.main(train_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
