@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast lint clean
+.PHONY: install train test test-fast local-cluster lint clean
 
 install: $(STAMP)
 
@@ -19,11 +19,20 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) -m app.train --config configs/mnist.toml $(ARGS)
 
+# Tests with an in-process cluster run in a pytest process of their own: the
+# chief's connection to the cluster changes the process for good.
 test: install
-	$(PY) -m pytest $(ARGS)
+	$(PY) -m pytest -m "not cluster" $(ARGS)
+	$(PY) -m pytest -m cluster $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow" $(ARGS)
+	$(PY) -m pytest -m "not slow and not cluster" $(ARGS)
+
+# A parameter-server cluster in one process, e.g. make local-cluster WORKERS=2 PS=2
+WORKERS ?= 2
+PS      ?= 1
+local-cluster: install
+	$(PY) -m launch.inprocess --workers $(WORKERS) --ps $(PS) --config configs/mnist_ps.toml $(ARGS)
 
 lint: install
 	$(PY) -m ruff check app launch tests

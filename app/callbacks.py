@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import tensorflow as tf
 import tf_keras as keras

@@ -2,9 +2,8 @@
 
 This module is the only reader of `TF_CONFIG`. It checks the variable before
 any server starts and explains each mistake in one line that names the field
-and the fix (`ClusterError`, exit code 2). TensorFlow's own
-`TFConfigClusterResolver` then reads the checked value; strategies get a
-resolver over the *training* jobs only, without the `evaluator` that Kubeflow
+and the fix (`ClusterError`, exit code 2). Strategies get a resolver over the
+*training* jobs only, without the `evaluator` that Kubeflow
 lists in every task's TF_CONFIG (a chief waiting on it would stall).
 """
 
@@ -71,17 +70,16 @@ class Cluster:
         return f"{self.task_type}:{self.task_index}"
 
     def resolver(self):
-        """A cluster resolver over the training jobs, for a strategy to use."""
+        """A cluster resolver over the training jobs, for a strategy to use.
+
+        Built from this object, not from the environment, so that a process
+        can hold more than one (in-process clusters, tests).
+        """
         import tensorflow as tf
 
-        from_env = tf.distribute.cluster_resolver.TFConfigClusterResolver()
-        spec = {job: from_env.cluster_spec().job_tasks(job) for job in self.training_jobs}
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
-            tf.train.ClusterSpec(spec),
-            task_type=from_env.task_type,
-            task_id=from_env.task_id,
-            rpc_layer=from_env.rpc_layer or self.rpc_layer,
-        )
+            tf.train.ClusterSpec(self.training_jobs), task_type=self.task_type,
+            task_id=self.task_index, rpc_layer=self.rpc_layer)
 
 
 def read() -> Cluster | None:

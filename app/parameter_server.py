@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import socket
 import time
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import tensorflow as tf
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 Coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
 
 
-def partitioner(ps: PSConfig, num_ps: int) -> tf.distribute.experimental.partitioners.Partitioner | None:
+def partitioner(ps: PSConfig, num_ps: int
+                ) -> tf.distribute.experimental.partitioners.Partitioner | None:
     """The ShardedVariable partitioner `ps.partitioner` names, for `num_ps` ps tasks."""
     partitioners = tf.distribute.experimental.partitioners
     if ps.partitioner == "none":
@@ -187,7 +188,7 @@ class _PerWorkerDataset:
     def _per_worker(self, make, type_spec):
         """Run `make(dataset_fn)` on each worker as a resource it re-creates on recovery."""
         remotes = []
-        for worker, traced in zip(self._coordinator._cluster.workers, self._traced):
+        for worker, traced in zip(self._coordinator._cluster.workers, self._traced, strict=True):
             fn = traced._dataset_fn
             remote = worker.create_resource(lambda fn=fn: make(fn))
             remote._type_spec = type_spec(fn)  # as TensorFlow's own per-worker dataset does

@@ -76,8 +76,9 @@ def choose(name: str, cluster: Cluster | None, num_gpus: int) -> str:
 
 
 def create(name: str, cluster: Cluster | None = None,
-           config: Config = Config()) -> tf.distribute.Strategy:
+           config: Config | None = None) -> tf.distribute.Strategy:
     """Build the strategy `name` ("auto" or one of NAMES)."""
+    config = config or Config()
     gpus = tf.config.list_logical_devices("GPU")
     choice = choose(name, cluster, len(gpus))
     if choice == "default":

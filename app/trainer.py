@@ -98,8 +98,8 @@ def run(config: Config, workdir: pathlib.Path, *,
     metrics = {
         "strategy": strategies.describe(strategy),
         "num_replicas": replicas,
-        "num_workers": cluster.num_workers if cluster and cluster.num_workers else 1,
-        "num_ps": cluster.num_ps if cluster else 0,
+        "num_workers": _num_workers(strategy, cluster),
+        "num_ps": strategy._num_ps if coordinated else 0,
         "global_batch_size": config.train.global_batch_size,
         "epochs_completed": history.epoch[-1] + 1 if history.epoch else config.train.epochs,
         "steps": int(model.optimizer.iterations.numpy()),
@@ -143,11 +143,19 @@ def _local_evaluator(model: keras.Model, config: Config, datasets: data.Datasets
         loss = hits = count = 0.0
         for images, labels in dataset:
             batch_loss, batch_hits = sums(images, labels)
-            loss, hits, count = loss + float(batch_loss), hits + float(batch_hits), count + len(labels)
+            loss += float(batch_loss)
+            hits += float(batch_hits)
+            count += len(labels)
         return {"loss": loss / count, "accuracy": hits / count}
 
     evaluate.local_model = local
     return evaluate
+
+
+def _num_workers(strategy: tf.distribute.Strategy, cluster: Cluster | None) -> int:
+    if isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        return strategy._num_workers
+    return cluster.num_workers if cluster and cluster.num_workers else 1
 
 
 def summary_line(metrics: dict[str, Any]) -> str:

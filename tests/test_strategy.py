@@ -4,8 +4,8 @@ import pytest
 import tensorflow as tf
 
 from app import cluster as clusters
-from app import strategy as strategies
 from app import config as cfg
+from app import strategy as strategies
 from app.config import ConfigError
 
 MULTI_WORKER = clusters.parse(json.dumps(

@@ -1,8 +1,7 @@
 import json
-
-import numpy as np
 import types
 
+import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as keras

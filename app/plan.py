@@ -1,0 +1,134 @@
+"""`python -m app.plan`: where a config's variables would live on N ps tasks, and
+the bytes each ps task would send and receive per training step, without a cluster.
+
+    python -m app.plan --config configs/mnist_ps.toml --ps 2
+
+The model and optimizer are built locally while every variable creation is
+recorded in order; ParameterServerStrategy's rules are then applied to that
+order: each variable (each shard of a partitioned one) goes to the next ps task
+round-robin, and optimizer slots sit with their variable. A test checks the
+prediction against the placement of a real in-process cluster.
+
+Per step, a worker reads every trainable variable from its ps task and sends a
+gradient of the same size back; optimizer slots never leave the ps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from app import config as cfg
+from app.parameter_server import Placement, Shard, _size
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    read_bytes: list[int]  # ps -> worker per step: the trainable variables
+    written_bytes: list[int]  # worker -> ps per step: their gradients
+
+
+def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
+    """The placement and per-step traffic of `config` on `num_ps` ps tasks."""
+    import tensorflow as tf
+
+    from app import models, parameter_server, trainer
+
+    created: list[tf.Variable] = []
+
+    def record(next_creator, **kwargs):
+        var = next_creator(**kwargs)
+        created.append(var)
+        return var
+
+    with tf.variable_creator_scope(record):
+        model = models.build(config.model.name, (28, 28, 1), 10, dropout=config.model.dropout)
+        optimizer = trainer._optimizer(config, steps_per_epoch=1)
+        optimizer.build(model.trainable_variables)
+    partitioner = parameter_server.partitioner(config.ps, num_ps)
+    trainable = {id(v) for v in model.trainable_variables}
+    slots = _slots(optimizer, model.trainable_variables)
+    reported = {id(v) for v in model.variables + optimizer.variables()}
+
+    shards: list[Shard] = []
+    read, written = [0] * num_ps, [0] * num_ps
+    tasks_of: dict[int, list[int]] = {}
+    counter = 0
+    for var in created:
+        if id(var) in slots:
+            continue
+        sizes = _shard_rows(var, partitioner)
+        tasks_of[id(var)] = []
+        for rows in sizes:
+            task = counter % num_ps
+            counter += 1
+            tasks_of[id(var)].append(task)
+            shape = (rows, *var.shape[1:]) if var.shape.rank else ()
+            nbytes = int(_elements(shape)) * var.dtype.size
+            if id(var) in reported:
+                shards.append(Shard(parameter_server._base_name(var.name), task, shape, nbytes))
+            if id(var) in trainable:
+                read[task] += nbytes
+                written[task] += nbytes
+    for slot, primary in slots.items():
+        var = next(v for v in created if id(v) == slot)
+        for task, rows in zip(tasks_of[primary], _shard_rows(var, partitioner), strict=True):
+            shape = (rows, *var.shape[1:])
+            shards.append(Shard(parameter_server._base_name(var.name), task, shape,
+                                int(_elements(shape)) * var.dtype.size))
+    return Placement(num_ps, tuple(shards)), Traffic(read, written)
+
+
+def _slots(optimizer, variables) -> dict[int, int]:
+    """id(slot) -> id(its variable): tf_keras names a slot "<slot>/<variable>"."""
+    primaries = {v._shared_name: id(v) for v in variables}
+    out = {}
+    for var in optimizer.variables():
+        _, sep, rest = var.name.removesuffix(":0").partition("/")
+        if sep and rest in primaries:
+            out[id(var)] = primaries[rest]
+    return out
+
+
+def _shard_rows(var, partitioner) -> list[int]:
+    """Rows (first axis) of each shard, as ParameterServerStrategy splits them."""
+    if partitioner is None or not var.shape.rank:
+        return [var.shape[0] if var.shape.rank else 1]
+    num = partitioner(var.shape, var.dtype)[0]
+    rows = var.shape[0]
+    return [rows // num + (1 if i < rows % num else 0) for i in range(num)]
+
+
+def _elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
+    parser.add_argument("--config")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--ps", type=int, required=True, help="number of ps tasks")
+    args = parser.parse_args(argv)
+    try:
+        config = cfg.load(args.config, args.set)
+        if args.ps < 1:
+            raise cfg.ConfigError(f"--ps {args.ps}: need at least 1 ps task")
+    except cfg.ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    placement, traffic = predict(config, args.ps)
+    print(f"ps.partitioner = {config.ps.partitioner}")
+    print("\n".join(placement.report()))
+    print("per training step (one batch on one worker):")
+    for i in range(args.ps):
+        print(f"  ps:{i}  sends {_size(traffic.read_bytes[i]):>10} (variables), "
+              f"receives {_size(traffic.written_bytes[i]):>10} (gradients)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

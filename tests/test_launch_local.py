@@ -1,0 +1,54 @@
+"""launch.local end to end: a chief, 2 workers and a ps as separate processes,
+one worker SIGKILLed mid-epoch; the chief finishes the run on the other."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launch import local
+
+pytestmark = pytest.mark.slow
+
+
+def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
+    workdir = tmp_path / "run"
+    args = [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "1",
+            "--set", "data.train_examples=6000", "--set", "data.validation_examples=500",
+            "--set", "data.test_examples=500", "--set", "train.epochs=2",
+            "--set", "train.verbose=2", "--workdir", str(workdir)]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, env=env)
+    lines, killed_at = [], None
+    pids = {}
+    for line in launcher.stdout:
+        lines.append(line)
+        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
+            pids[started[1]] = int(started[2])
+        if killed_at is None and line.startswith("[chief:0] Epoch 1/2"):
+            time.sleep(3)  # well inside the first epoch
+            os.kill(pids["worker:1"], signal.SIGKILL)
+            killed_at = len(lines)
+    code = launcher.wait(timeout=60)
+    output = "".join(lines)
+    assert killed_at is not None, output[-3000:]
+    assert code == 0, output[-3000:]
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["epochs_completed"] == 2
+    assert metrics["steps"] >= 2 * 5500 // 32  # every scheduled step ran, on worker 0
+    assert "[launch] chief exited with 0" in output
+
+
+def test_thread_settings_share_the_cores_unless_chosen():
+    cores = os.cpu_count()
+    assert local.thread_settings(2, []) == [
+        "--set", f"runtime.intra_op_threads={max(1, cores // 2)}",
+        "--set", "runtime.inter_op_threads=3"]
+    assert local.thread_settings(2, ["--set", "runtime.intra_op_threads=4"]) == [
+        "--set", "runtime.inter_op_threads=3"]

@@ -1,0 +1,139 @@
+"""ParameterServerStrategy on a fake in-process cluster: 2 workers and 2 ps
+servers in this process, which is the chief (multi_worker_test_base's way).
+
+TensorFlow's servers cannot be stopped and the chief's connection changes the
+process's devices for good, so these tests run in a pytest process of their
+own (`make test` runs the `cluster` marker separately).
+"""
+
+import json
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+from conftest import tiny_split
+
+from app import cluster as clusters
+from app import config as cfg
+from app import data, parameter_server, plan, trainer
+from launch import inprocess
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    spec = inprocess.cluster_spec(num_workers=2, num_ps=2)
+    inprocess.start_servers(spec)
+    return clusters.parse(json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+
+
+@pytest.fixture(scope="module")
+def strategy(cluster):
+    return parameter_server.create(cluster, cfg.PSConfig(), connect_timeout_s=30)
+
+
+def config(*overrides: str) -> cfg.Config:
+    return cfg.load(None, ["train.epochs=2", "train.global_batch_size=16", "train.verbose=0",
+                           "eval.batch_size=32", *overrides])
+
+
+@pytest.fixture(scope="module")
+def trained(strategy, tmp_path_factory):
+    datasets = data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
+                             test=tiny_split(101, seed=2), num_classes=10)
+    workdir = tmp_path_factory.mktemp("ps")
+    metrics = trainer.run(config(), workdir, strategy=strategy, datasets=datasets)
+    return metrics, workdir
+
+
+def test_training_on_the_cluster_writes_metrics(trained):
+    metrics, workdir = trained
+    assert metrics["strategy"] == "ParameterServerStrategy"
+    assert (metrics["num_workers"], metrics["num_ps"]) == (2, 2)
+    assert metrics["epochs_completed"] == 2
+    assert metrics["steps"] >= 2 * 512 // 16
+    assert metrics["num_test_examples"] == 101
+    assert metrics["test_accuracy"] > 0.3  # learnable bars: far above chance after 64 steps
+    assert json.loads((workdir / "metrics.json").read_text())["ps_bytes"] == metrics["ps_bytes"]
+
+
+def test_test_accuracy_is_exact_over_every_test_image(trained):
+    metrics, workdir = trained
+    model = keras.models.load_model(workdir / "export")
+    test = tiny_split(101, seed=2)
+    logits = model.predict(data.preprocess(test.images, test.labels)[0], verbose=0)
+    expected = float(np.mean(np.argmax(logits, axis=-1) == test.labels))
+    assert metrics["test_accuracy"] == pytest.approx(expected, abs=1e-9)
+
+
+def test_variables_live_on_ps_and_the_big_kernel_is_sharded_over_both(strategy):
+    with strategy.scope():
+        dense = keras.layers.Dense(1024)  # 3136 x 1024 floats: 12.25 MiB
+        dense.build((None, 3136))
+    kernel = dense.kernel
+    assert type(kernel).__name__ == "ShardedVariable"
+    tasks = sorted(tf.DeviceSpec.from_string(v.device).task for v in kernel.variables)
+    jobs = {tf.DeviceSpec.from_string(v.device).job for v in kernel.variables}
+    assert jobs == {"ps"} and tasks == [0, 1]
+
+
+def test_placement_is_balanced_and_predicted_by_the_plan(trained):
+    metrics, _ = trained
+    assert metrics["ps_balance"] <= 1.05
+    predicted, _ = plan.predict(config(), num_ps=2)
+    assert predicted.ps_bytes == metrics["ps_bytes"]
+
+
+def test_each_worker_reads_its_own_shard_of_the_data(strategy):
+    contexts = []
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        contexts.append((context.num_input_pipelines, context.input_pipeline_id))
+        return tf.data.Dataset.range(10).shard(context.num_input_pipelines,
+                                               context.input_pipeline_id).batch(10)
+
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    per_worker = coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(dataset_fn))
+    assert sorted(contexts) == [(2, 0), (2, 1)]
+
+    @tf.function
+    def first_batch(iterator):
+        return next(iterator)
+
+    iterator = iter(per_worker)
+    # One closure per worker: each resolves the iterator to its own worker's.
+    seen = set()
+    for _ in range(20):
+        remote = coordinator.schedule(first_batch, args=(iterator,))
+        coordinator.join()
+        seen.add(tuple(remote.fetch().tolist()))
+        if len(seen) == 2:
+            break
+    assert seen == {(0, 2, 4, 6, 8), (1, 3, 5, 7, 9)}
+
+
+def test_a_task_serves_until_the_chief_has_come_and_gone():
+    chief = socket.socket()
+    chief.bind(("localhost", 0))
+    chief.listen()
+    chief_address = f"localhost:{chief.getsockname()[1]}"
+    free = inprocess.portpicker.pick_unused_port
+    spec = {"chief": [chief_address], "ps": [f"localhost:{free()}"],
+            "worker": [f"localhost:{free()}"]}
+    task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": "ps", "index": 0}}))
+    runtime = cfg.RuntimeConfig()
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (parameter_server.serve(task, runtime, poll_s=0.1, grace_s=0.3),
+                        done.set()), daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    assert not done.is_set()  # the chief is up: keep serving
+    chief.close()
+    assert done.wait(timeout=10)
