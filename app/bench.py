@@ -1,7 +1,8 @@
 """`python -m app.bench`: training throughput of each strategy, side by side.
 
 Each row is a real `python -m app.train` run in its own process (logical CPU
-devices and thread pools are fixed when TensorFlow starts), on the same model,
+devices and thread pools are fixed when TensorFlow starts), or for the
+parameter-server rows a real cluster of processes from `launch.local`, on the same model,
 synthetic data and global batch. Rows are interleaved over the repeats, so a
 machine that slows down mid-benchmark slows every row alike; each row reports
 its median steady-state examples/s and its ratio to the baseline row measured
@@ -21,11 +22,16 @@ import tempfile
 
 from app import config as cfg
 
-# row -> extra command-line arguments for app.train
+_TRAIN = ["-m", "app.train"]
+_PS = ["-m", "launch.local", "--workers", "2", "--ps", "2"]  # one process per task
+# row -> the module to run and its extra arguments (launch.local passes them to app.train)
 ROWS: dict[str, list[str]] = {
-    "baseline": ["--strategy", "default"],  # plain single-process fit
-    "mirrored_1dev": ["--strategy", "mirrored"],
-    "mirrored_2cpu": ["--strategy", "mirrored", "--set", "runtime.cpu_devices=2"],
+    "baseline": [*_TRAIN, "--strategy", "default"],  # plain single-process fit
+    "mirrored_1dev": [*_TRAIN, "--strategy", "mirrored"],
+    "mirrored_2cpu": [*_TRAIN, "--strategy", "mirrored", "--set", "runtime.cpu_devices=2"],
+    "ps_2w2p": _PS,
+    # Each scheduled function runs several steps: fewer chief -> worker round trips.
+    "ps_2w2p_spe8": [*_PS, "--set", "train.steps_per_execution=8"],
 }
 BASELINE = next(iter(ROWS))
 
@@ -55,9 +61,9 @@ def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
 
 
 def measure(args: list[str], workdir: pathlib.Path) -> dict:
-    """Run app.train once and return its metrics.json."""
+    """Run `python <args>` (app.train or a launcher) once and return its metrics.json."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    result = subprocess.run([sys.executable, "-m", "app.train", *args, "--workdir", str(workdir)],
+    result = subprocess.run([sys.executable, *args, "--workdir", str(workdir)],
                             env=env, capture_output=True, text=True)
     if result.returncode:
         raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{result.stderr[-3000:]}")
@@ -69,7 +75,7 @@ def run(rows: list[str], base_args: list[str], repeats: int) -> dict[str, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(repeats):
             for i, row in enumerate(rows):
-                metrics = measure(base_args + ROWS[row], pathlib.Path(tmp) / f"{r}-{i}")
+                metrics = measure(ROWS[row] + base_args, pathlib.Path(tmp) / f"{r}-{i}")
                 samples[row].append(metrics["train_examples_per_sec"])
                 print(f"  repeat {r + 1}/{repeats} {row}: "
                       f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)

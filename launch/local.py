@@ -21,7 +21,7 @@ import threading
 
 from launch.inprocess import cluster_spec
 
-STOP_GRACE_S = 10
+STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
 
 
 class Task:
@@ -50,11 +50,15 @@ class Task:
             self.process.send_signal(signal.SIGTERM)
 
     def finish(self) -> int:
-        try:
-            code = self.process.wait(timeout=STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            code = self.process.wait()
+        """Wait for the process to end: SIGTERM after the grace period, SIGKILL after another."""
+        for escalate in (self.stop, self.process.kill, None):
+            try:
+                code = self.process.wait(timeout=STOP_GRACE_S)
+                break
+            except subprocess.TimeoutExpired:
+                if escalate is None:
+                    raise
+                escalate()
         self._copier.join(timeout=5)
         return code
 
@@ -96,11 +100,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         chief.stop()
         code = chief.finish()
-    announce(f"chief exited with {code}; stopping the other tasks")
+    if code == 0:  # ps and worker tasks see the chief go and exit by themselves
+        announce("chief exited with 0; waiting for the other tasks to finish")
+    else:
+        announce(f"chief exited with {code}; stopping the other tasks")
+        for task in tasks:
+            task.stop()
     for task in tasks:
-        task.stop()
-    for task in tasks:
-        task.finish()
+        announce(f"{task.label} exited with {task.finish()}")
     chief.finish()
     return code
 
