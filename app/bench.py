@@ -32,6 +32,7 @@ ROWS: dict[str, list[str]] = {
     "ps_2w2p": _PS,
     # Each scheduled function runs several steps: fewer chief -> worker round trips.
     "ps_2w2p_spe8": [*_PS, "--set", "train.steps_per_execution=8"],
+    "mwms_2w": ["-m", "launch.local", "--workers", "2", "--ps", "0"],  # synchronous all-reduce
 }
 BASELINE = next(iter(ROWS))
 

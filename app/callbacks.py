@@ -16,8 +16,8 @@ from app.workdir import BACKUP_DIR
 log = logging.getLogger(__name__)
 
 
-def for_training(config: Config, workdir: pathlib.Path, model: keras.Model,
-                 throughput: Throughput, evaluations: list[Evaluation],
+def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
+                 model: keras.Model, throughput: Throughput, evaluations: list[Evaluation],
                  ) -> list[keras.callbacks.Callback]:
     """The callbacks of a run, in order: throughput stops its clock before the
     backup and the evaluations, whose results join the epoch's logs before TensorBoard and
@@ -28,8 +28,8 @@ def for_training(config: Config, workdir: pathlib.Path, model: keras.Model,
         keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
         *evaluations,
 
-        EpochCheckpoint(model, workdir / "checkpoints", keep=config.checkpoint.keep),
-        keras.callbacks.TensorBoard(str(workdir / "tensorboard"), update_freq="epoch"),
+        EpochCheckpoint(model, outdir / "checkpoints", keep=config.checkpoint.keep),
+        keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),
     ]
     return cbs
 

@@ -13,6 +13,8 @@ import dataclasses
 import json
 import os
 import re
+import socket
+import time
 from typing import Any
 
 from app.config import ConfigError
@@ -173,3 +175,37 @@ def _parse_task(task: dict[str, Any], jobs: dict[str, tuple[str, ...]]) -> tuple
             f"{ENV} task.index = {index} is out of range: cluster.{task_type} lists "
             f"{size} task(s), so task.index must be in 0..{size - 1}")
     return task_type, index
+
+
+def unreachable(cluster: Cluster, jobs: tuple[str, ...]) -> dict[str, str]:
+    """{"ps:0": address} for each task of `jobs` that does not accept connections."""
+    return {f"{job}:{i}": address for job in jobs
+            for i, address in enumerate(cluster.jobs.get(job, ())) if not reachable(address)}
+
+
+def wait_for_tasks(cluster: Cluster, timeout_s: float, jobs: tuple[str, ...],
+                   poll_s: float = 0.5) -> None:
+    """Return once every task of `jobs` accepts connections; else ClusterError.
+
+    TensorFlow itself would wait without end ("CreateSession still waiting for
+    response from worker"); this names the tasks that never answered.
+    """
+    deadline = time.monotonic() + timeout_s
+    while missing := unreachable(cluster, jobs):
+        if time.monotonic() >= deadline:
+            tasks = ", ".join(f"{task} at {address}" for task, address in missing.items())
+            raise ClusterError(
+                f"no answer within cluster.connect_timeout_s = {timeout_s:g} s from {tasks}; "
+                "start those tasks (python -m app.train with their TF_CONFIG), check the "
+                "addresses in TF_CONFIG, or raise cluster.connect_timeout_s")
+        time.sleep(poll_s)
+
+
+def reachable(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether something accepts TCP connections at host:port."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

@@ -106,6 +106,13 @@ class PSConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    # MultiWorkerMirroredStrategy's all-reduce: "auto" lets TensorFlow pick,
+    # "ring" (gRPC, CPU or GPU) or "nccl" (GPUs only).
+    collective: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     keep: int = 3
 
@@ -119,6 +126,7 @@ class Config:
     runtime: RuntimeConfig = RuntimeConfig()
     cluster: ClusterConfig = ClusterConfig()
     ps: PSConfig = PSConfig()
+    sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
 
 
@@ -128,6 +136,7 @@ _CHOICES = {
     "train.lr_schedule": ("cosine", "cosine_restarts", "constant"),
     "train.verbose": ("auto", "0", "1", "2"),
     "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
+    "sync.collective": ("auto", "ring", "nccl"),
     "runtime.strategy": (
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
 }

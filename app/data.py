@@ -160,4 +160,7 @@ def train_dataset_fn(split: Split, global_batch_size: int, *, seed: int = 0,
 def eval_dataset(split: Split, batch_size: int) -> tf.data.Dataset:
     """Every example exactly once, in order; the last batch may be partial."""
     ds = tf.data.Dataset.from_tensor_slices((split.images, split.labels))
-    return ds.batch(batch_size).map(preprocess).prefetch(tf.data.AUTOTUNE)
+    # In-memory data has no files to shard: each worker takes every n-th batch.
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return ds.batch(batch_size).map(preprocess).prefetch(tf.data.AUTOTUNE).with_options(options)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import Iterable
 
@@ -19,7 +18,7 @@ import tensorflow as tf
 from tensorflow.python.distribute import input_lib
 from tensorflow.python.distribute.coordinator import values as coordinator_values
 
-from app.cluster import Cluster, ClusterError
+from app.cluster import Cluster, reachable, wait_for_tasks
 from app.config import ConfigError, PSConfig, RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -45,46 +44,13 @@ def partitioner(ps: PSConfig, num_ps: int
 
 def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
     """The chief's strategy, with its (per-worker input) coordinator attached."""
-    wait_for_tasks(cluster, connect_timeout_s)
+    wait_for_tasks(cluster, connect_timeout_s, jobs=("ps", "worker"))
     strategy = ShardedInputStrategy(cluster.resolver(),
                                     variable_partitioner=partitioner(ps, cluster.num_ps))
     # tf_keras' fit() asks for `ClusterCoordinator(strategy)`, which returns the
     # one already attached to the strategy: this one.
     ShardedInputCoordinator(strategy)
     return strategy
-
-
-def wait_for_tasks(cluster: Cluster, timeout_s: float, poll_s: float = 0.5) -> None:
-    """Return once every ps and worker task accepts connections; else ClusterError.
-
-    TensorFlow itself would wait without end ("CreateSession still waiting for
-    response from worker"); here the chief names the tasks that never answered.
-    """
-    pending = {f"{job}:{i}": address for job in ("ps", "worker")
-               for i, address in enumerate(cluster.jobs.get(job, ()))}
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pending = {task: address for task, address in pending.items() if not reachable(address)}
-        if not pending:
-            return
-        if time.monotonic() >= deadline:
-            missing = ", ".join(f"{task} at {address}" for task, address in pending.items())
-            raise ClusterError(
-                f"no answer within cluster.connect_timeout_s = {timeout_s:g} s from {missing}; "
-                "start those tasks (python -m app.train with their TF_CONFIG), check the "
-                "addresses in TF_CONFIG, or raise cluster.connect_timeout_s")
-        log.info("waiting for %s", ", ".join(pending))
-        time.sleep(poll_s)
-
-
-def reachable(address: str, timeout_s: float = 1.0) -> bool:
-    """Whether something accepts TCP connections at host:port."""
-    host, _, port = address.rpartition(":")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            return True
-    except OSError:
-        return False
 
 
 def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,

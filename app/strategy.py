@@ -79,11 +79,13 @@ def create(name: str, cluster: Cluster | None = None,
            config: Config | None = None) -> tf.distribute.Strategy:
     """Build the strategy `name` ("auto" or one of NAMES)."""
     config = config or Config()
-    gpus = tf.config.list_logical_devices("GPU")
-    choice = choose(name, cluster, len(gpus))
+    # Physical devices: listing logical ones would start TensorFlow's runtime,
+    # after which MultiWorkerMirroredStrategy can no longer configure collectives.
+    choice = choose(name, cluster, len(tf.config.list_physical_devices("GPU")))
     if choice == "default":
         return tf.distribute.get_strategy()
     if choice == "mirrored":
+        gpus = tf.config.list_logical_devices("GPU")
         devices = [d.name for d in gpus or tf.config.list_logical_devices("CPU")]
         log.info("MirroredStrategy over %s", ", ".join(devices))
         return tf.distribute.MirroredStrategy(devices)
@@ -92,16 +94,27 @@ def create(name: str, cluster: Cluster | None = None,
 
         return parameter_server.create(cluster, config.ps, config.cluster.connect_timeout_s)
     if choice == "multi_worker_mirrored":
-        raise ConfigError(
-            f"strategy {choice!r} (chosen for TF_CONFIG {_shape(cluster)}) is not supported "
-            "yet; train on one host (unset TF_CONFIG) for now")
+        return _multi_worker(cluster, config)
     raise ConfigError(f"Unrecognized strategy {choice!r}")
+
+
+def _multi_worker(cluster: Cluster | None, config: Config) -> tf.distribute.Strategy:
+    """MultiWorkerMirroredStrategy; its constructor waits until every worker has joined."""
+    implementation = tf.distribute.experimental.CommunicationImplementation
+    options = tf.distribute.experimental.CommunicationOptions(implementation={
+        "auto": implementation.AUTO, "ring": implementation.RING,
+        "nccl": implementation.NCCL}[config.sync.collective])
+    return tf.distribute.MultiWorkerMirroredStrategy(
+        cluster_resolver=cluster.resolver() if cluster else None,
+        communication_options=options)
 
 
 def describe(strategy: tf.distribute.Strategy) -> str:
     """The strategy's public class name (the default one's class is private)."""
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):
         return "ParameterServerStrategy"  # also for app.parameter_server's subclass
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
+        return "MultiWorkerMirroredStrategy"  # not its implementation class's name
     name = type(strategy).__name__
     return "DefaultStrategy" if name == "_DefaultDistributionStrategy" else name
 

@@ -6,12 +6,16 @@ strategy and tiny datasets, so no cluster and no files outside the workdir.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import pathlib
+import shutil
+import tempfile
 import time
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
@@ -34,6 +38,11 @@ def run(config: Config, workdir: pathlib.Path, *,
     workdir = pathlib.Path(workdir)
     strategy = strategy or strategies.create(config.runtime.strategy, cluster, config)
     coordinated = isinstance(strategy, tf.distribute.ParameterServerStrategy)
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    # Under MultiWorkerMirroredStrategy every worker runs this function and must
+    # take part in saving; only the chief writes where the user looks.
+    writer = not (multi_worker and cluster) or cluster.is_chief
+    outdir = workdir if writer else pathlib.Path(tempfile.mkdtemp(prefix="worker-outputs-"))
     replicas = strategy.num_replicas_in_sync
     strategies.check_batch(config.train.global_batch_size, replicas)
     keras.utils.set_random_seed(config.train.seed)
@@ -89,12 +98,15 @@ def run(config: Config, workdir: pathlib.Path, *,
         epochs=config.train.epochs,
         steps_per_epoch=steps_per_epoch,
         validation_data=None if coordinated else val_ds,
-        callbacks=callbacks.for_training(config, workdir, model, throughput, evaluations),
+        callbacks=callbacks.for_training(config, workdir, outdir, model, throughput,
+                                         evaluations),
         verbose=_verbose(config.train.verbose),
     )
 
     test = evaluate(test_ds)
-    (evaluate.local_model if coordinated else model).save(workdir / "export", save_format="tf")
+    (evaluate.local_model if coordinated else model).save(outdir / "export", save_format="tf")
+    if multi_worker:  # the same on every worker, if synchronous training kept its promise
+        log.info("weights sha256 %s", weights_digest(model))
     metrics = {
         "strategy": strategies.describe(strategy),
         "num_replicas": replicas,
@@ -116,8 +128,18 @@ def run(config: Config, workdir: pathlib.Path, *,
         metrics["ps_bytes"] = ps_placement.ps_bytes
         metrics["ps_balance"] = ps_placement.balance
         metrics["ps_partitioner"] = config.ps.partitioner
-    (workdir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    if writer:
+        (workdir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+    else:
+        shutil.rmtree(outdir, ignore_errors=True)
     return metrics
+
+
+def weights_digest(model: keras.Model) -> str:
+    digest = hashlib.sha256()
+    for array in model.get_weights():
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _local_evaluator(model: keras.Model, config: Config, datasets: data.Datasets):
@@ -155,7 +177,9 @@ def _local_evaluator(model: keras.Model, config: Config, datasets: data.Datasets
 def _num_workers(strategy: tf.distribute.Strategy, cluster: Cluster | None) -> int:
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):
         return strategy._num_workers
-    return cluster.num_workers if cluster and cluster.num_workers else 1
+    if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and cluster:
+        return len(cluster.jobs.get("chief", ())) + cluster.num_workers  # a chief trains too
+    return 1
 
 
 def summary_line(metrics: dict[str, Any]) -> str:

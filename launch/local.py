@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 from launch.inprocess import cluster_spec
 
@@ -81,35 +82,82 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
     return out
 
 
+def local_spec(num_workers: int, num_ps: int) -> dict[str, list[str]]:
+    """A parameter-server cluster (chief, workers, ps) or, with no ps, workers alone."""
+    spec = cluster_spec(num_workers, num_ps)
+    return spec if num_ps else {"worker": spec["worker"]}
+
+
+def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, bool]:
+    """Start every task, wait for the lead one; (its exit code, whether a worker failed).
+
+    The lead task is the chief, or worker 0 of a cluster without ps. Under
+    parameter servers a dead worker is the coordinator's business; in
+    synchronous training it stalls the others, so all are stopped.
+    """
+    spec = local_spec(args.workers, args.ps)
+    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief")
+             for i in range(len(spec.get(job, ())))]
+    lead = tasks[-1] if args.ps else next(t for t in tasks if t.label == "worker:0")
+    synchronous = not args.ps
+    failed = None
+    try:
+        while lead.process.poll() is None and failed is None:
+            time.sleep(0.5)
+            if synchronous:
+                failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
+    except KeyboardInterrupt:
+        for task in tasks:
+            task.stop()
+        for task in tasks:
+            task.finish()
+        raise
+    if failed is not None and failed is not lead:
+        announce(f"{failed.label} exited with {failed.process.returncode}; stopping the others")
+    code = lead.process.poll()
+    others = [t for t in tasks if t is not lead]
+    if failed is None and code == 0:  # the others see the run end and exit by themselves
+        announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
+    else:
+        if failed is None:
+            announce(f"{lead.label} exited with {code}; stopping the other tasks")
+        for task in tasks:
+            task.stop()
+    for task in others:
+        announce(f"{task.label} exited with {task.finish()}")
+    code = lead.finish()
+    return (1 if failed else code), failed is not None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.local",
                                      description=__doc__.split("\n")[0],
                                      epilog="Other arguments go to app.train, e.g. --config.")
     parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--ps", type=int, default=1)
+    parser.add_argument("--ps", type=int, default=1,
+                        help="parameter servers (0: synchronous training, workers only)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="relaunch every task up to N times after a failure; training "
+                             "resumes from the workdir's backup (like torchrun)")
     args, train_args = parser.parse_known_args(argv)
-    if args.workers < 1 or args.ps < 1:
-        parser.error("--workers and --ps must be at least 1")
-    spec = cluster_spec(args.workers, args.ps)
+    if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
+        parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
+    if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
+        train_args += ["--workdir", str(default_workdir())]
     train_args = thread_settings(args.workers, train_args) + train_args
-    tasks = [Task(job, i, spec, train_args)
-             for job in ("ps", "worker") for i in range(len(spec[job]))]
-    chief = Task("chief", 0, spec, train_args)
-    try:
-        code = chief.process.wait()
-    except KeyboardInterrupt:
-        chief.stop()
-        code = chief.finish()
-    if code == 0:  # ps and worker tasks see the chief go and exit by themselves
-        announce("chief exited with 0; waiting for the other tasks to finish")
-    else:
-        announce(f"chief exited with {code}; stopping the other tasks")
-        for task in tasks:
-            task.stop()
-    for task in tasks:
-        announce(f"{task.label} exited with {task.finish()}")
-    chief.finish()
+    for attempt in range(args.max_restarts + 1):
+        if attempt:
+            announce(f"restart {attempt} of {args.max_restarts}")
+        code, failed = run_cluster(args, train_args)
+        if code == 0 or not failed and code == 2:  # success, or a config error: no retry
+            return code
     return code
+
+
+def default_workdir():
+    from app.workdir import default_path
+
+    return default_path()
 
 
 if __name__ == "__main__":

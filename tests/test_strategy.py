@@ -67,12 +67,6 @@ def test_mirrored_uses_the_logical_cpu_devices():
     assert strategies.describe(s) == "MirroredStrategy"
 
 
-def test_multi_worker_mirrored_is_not_supported_yet():
-    with pytest.raises(ConfigError, match="strategy 'multi_worker_mirrored' \\(chosen for "
-                                          "TF_CONFIG 2 worker\\) is not supported yet"):
-        strategies.create("auto", MULTI_WORKER)
-
-
 def test_parameter_server_gives_up_on_tasks_that_never_answer():
     config = cfg.load(overrides=["cluster.connect_timeout_s=1"])
     with pytest.raises(clusters.ClusterError) as e:

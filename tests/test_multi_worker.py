@@ -1,0 +1,64 @@
+"""MultiWorkerMirroredStrategy with 2 worker processes (launch.local --ps 0)."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# 1000 training examples (31 steps of 32 a worker pair shares) and 101 test
+# images: neither divides over 2 workers (the uneven-data pitfall, TF #36153).
+SMALL = ["--set", "data.train_examples=1500", "--set", "data.validation_examples=500",
+         "--set", "data.test_examples=101", "--set", "train.verbose=2"]
+
+
+def launch(tmp_path, *args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    return subprocess.Popen(
+        [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "0", *SMALL,
+         "--workdir", str(tmp_path / "run"), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def test_two_workers_train_in_sync_and_write_results_once(tmp_path):
+    launcher = launch(tmp_path, "--set", "train.epochs=2")
+    output, _ = launcher.communicate(timeout=600)
+    assert launcher.returncode == 0, output[-3000:]
+    assert "[launch] worker:1 exited with 0" in output
+    digests = dict(re.findall(r"\[(worker:\d)\] INFO weights sha256 (\w+)", output))
+    assert len(digests) == 2 and len(set(digests.values())) == 1, digests  # identical weights
+    run = tmp_path / "run"
+    metrics = json.loads((run / "metrics.json").read_text())
+    assert metrics["strategy"] == "MultiWorkerMirroredStrategy"
+    assert (metrics["num_workers"], metrics["num_replicas"]) == (2, 2)
+    assert metrics["num_test_examples"] == 101
+    losses = [epoch["loss"] for epoch in metrics["history"]]
+    assert losses[1] < losses[0]
+    assert sorted(p.name for p in run.iterdir()) == [
+        "backup", "checkpoints", "config.toml", "export", "metrics.json", "tensorboard"]
+
+
+def test_a_killed_worker_is_relaunched_and_resumes_from_the_backup(tmp_path):
+    launcher = launch(tmp_path, "--set", "train.epochs=3", "--max-restarts", "1")
+    lines, pids, killed = [], {}, False
+    for line in launcher.stdout:
+        lines.append(line)
+        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
+            pids[started[1]] = int(started[2])
+        if not killed and line.startswith("[worker:1] Epoch 2/3"):
+            os.kill(pids["worker:1"], signal.SIGKILL)  # epoch 1 is in the backup
+            killed = True
+    launcher.wait(timeout=60)
+    output = "".join(lines)
+    assert killed and launcher.returncode == 0, output[-3000:]
+    after = output[output.index("[launch] restart 1 of 1"):]
+    assert "[worker:0] Epoch 1/3" not in after  # the completed epoch is not redone
+    assert "[worker:0] Epoch 2/3" in after
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["epochs_completed"] == 3
+
