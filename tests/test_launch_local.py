@@ -42,7 +42,7 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["epochs_completed"] == 2
     assert metrics["steps"] >= 2 * 5500 // 32  # every scheduled step ran, on worker 0
-    assert "[launch] chief exited with 0" in output
+    assert "[launch] chief:0 exited with 0" in output
     # The survivors saw the chief go and stopped by themselves, with exit code 0.
     assert "[launch] ps:0 exited with 0" in output
     assert "[launch] worker:0 exited with 0" in output
