@@ -1,0 +1,44 @@
+import re
+
+import pytest
+import tensorflow as tf
+
+from app import config as cfg
+from app import parameter_server, plan
+
+DENSE_KERNEL = tf.TensorShape([3136, 1024])  # the CNN's 12.25 MiB kernel
+
+
+@pytest.mark.parametrize("setting, shards_of_kernel, shards_of_bias", [
+    (["ps.partitioner=min_size"], 2, 1),  # at most one shard per ps task; small stays whole
+    (["ps.partitioner=max_size", "ps.shard_bytes=4194304"], 4, 1),  # <= 4 MiB each
+    (["ps.partitioner=fixed", "ps.num_shards=3"], 3, 3),
+    (["ps.partitioner=fixed"], 2, 2),  # num_shards 0: one per ps task
+])
+def test_partitioners_split_by_config(setting, shards_of_kernel, shards_of_bias):
+    split = parameter_server.partitioner(cfg.load(None, setting).ps, num_ps=2)
+    assert split(DENSE_KERNEL, tf.float32)[0] == shards_of_kernel
+    assert split(tf.TensorShape([1024]), tf.float32)[0] == shards_of_bias
+
+
+def test_no_partitioner_places_whole_variables():
+    assert parameter_server.partitioner(cfg.load(None, ["ps.partitioner=none"]).ps, 2) is None
+
+
+def test_plan_balances_the_cnn_over_two_ps_where_round_robin_does_not():
+    balanced, traffic = plan.predict(cfg.load("configs/mnist_ps.toml"), num_ps=2)
+    whole, _ = plan.predict(cfg.load("configs/mnist_ps.toml", ["ps.partitioner=none"]), num_ps=2)
+    assert balanced.balance <= 1.05 and whole.balance > 1.9
+    assert sum(balanced.ps_bytes) == sum(whole.ps_bytes)  # the same variables, placed apart
+    # Per step each ps sends its trainable variables and receives their gradients:
+    # together the CNN's 3,274,634 float parameters.
+    assert sum(traffic.read_bytes) == sum(traffic.written_bytes) == 3_274_634 * 4
+
+
+def test_plan_command_prints_the_report(capsys):
+    assert plan.main(["--config", "configs/mnist_ps.toml", "--ps", "2"]) == 0
+    out = capsys.readouterr().out
+    # Layer names carry a suffix when other tests built models in this process.
+    assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
+    assert "max/mean = 1.013" in out
+    assert plan.main(["--ps", "0"]) == 2
