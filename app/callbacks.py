@@ -23,11 +23,10 @@ def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
     backup and the evaluations, whose results join the epoch's logs before TensorBoard and
     History record them."""
     cbs: list[keras.callbacks.Callback] = [
-        # Resumes an interrupted run from its last epoch; deleted when fit() ends.
         throughput,
+        # Resumes an interrupted run from its last epoch; emptied when fit() ends.
         keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
         *evaluations,
-
         EpochCheckpoint(model, outdir / "checkpoints", keep=config.checkpoint.keep),
         keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),
     ]

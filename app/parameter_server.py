@@ -61,15 +61,9 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,
     arrive and leave; it returns once the chief has been unreachable for
     `grace_s` after having been seen (TF's `server.join()` never returns).
     """
-    config = tf.compat.v1.ConfigProto()
-    # Fewer inter-op threads than workers + 1 can deadlock a task that runs
-    # several workers' functions at once on a small host.
-    config.inter_op_parallelism_threads = runtime.inter_op_threads or cluster.num_workers + 1
-    if runtime.intra_op_threads:
-        config.intra_op_parallelism_threads = runtime.intra_op_threads
-    tf.distribute.Server(cluster.resolver().cluster_spec(), job_name=cluster.task_type,
-                         task_index=cluster.task_index, protocol=cluster.rpc_layer,
-                         config=config, start=True)
+    start_server(cluster.resolver().cluster_spec(), cluster.task_type, cluster.task_index,
+                 protocol=cluster.rpc_layer, inter_op_threads=runtime.inter_op_threads,
+                 intra_op_threads=runtime.intra_op_threads)
     chief = cluster.jobs["chief"][0]
     log.info("serving at %s; waiting for the chief at %s",
              cluster.jobs[cluster.task_type][cluster.task_index], chief)
@@ -85,6 +79,19 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,
                 log.info("the chief has finished; stopping")
                 return
         time.sleep(poll_s)
+
+
+def start_server(spec: tf.train.ClusterSpec, job: str, index: int, protocol: str = "grpc",
+                 inter_op_threads: int = 0, intra_op_threads: int = 0) -> None:
+    """Start the TF server of task `job:index` in this process (it runs until exit)."""
+    config = tf.compat.v1.ConfigProto()
+    # Fewer inter-op threads than workers + 1 can deadlock a task that runs
+    # several workers' functions at once on a small host.
+    config.inter_op_parallelism_threads = inter_op_threads or spec.num_tasks("worker") + 1
+    if intra_op_threads:
+        config.intra_op_parallelism_threads = intra_op_threads
+    tf.distribute.Server(spec, job_name=job, task_index=index, protocol=protocol,
+                         config=config, start=True)
 
 
 class ShardedInputStrategy(tf.distribute.ParameterServerStrategy):
@@ -201,8 +208,8 @@ class Placement:
             where = " ".join(f"ps:{s.ps_task}" for s in shards)
             total = sum(s.bytes for s in shards)
             lines.append(f"  {name:<{width}}  {len(shards)} shard(s) on {where:<12} "
-                         f"{_size(total):>10}")
-        lines += [f"  ps:{i}  {_size(b):>10}" for i, b in enumerate(self.ps_bytes)]
+                         f"{human_size(total):>10}")
+        lines += [f"  ps:{i}  {human_size(b):>10}" for i, b in enumerate(self.ps_bytes)]
         lines.append(f"  max/mean = {self.balance:.3f}")
         return lines
 
@@ -215,7 +222,7 @@ def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
             task = tf.DeviceSpec.from_string(part.device).task
             if task is None:
                 raise ValueError(f"variable {part.name} is on {part.device!r}, not a ps task")
-            shards.append(Shard(_base_name(part.name), task, tuple(part.shape),
+            shards.append(Shard(base_name(part.name), task, tuple(part.shape),
                                 part.shape.num_elements() * part.dtype.size))
     return Placement(num_ps, tuple(shards))
 
@@ -225,7 +232,7 @@ def gather_weights(model) -> list[np.ndarray]:
     as the same model built without a partitioner holds them."""
     parts: dict[str, list[tf.Variable]] = {}  # by variable name, in model order
     for var in model.weights:
-        parts.setdefault(_base_name(var.name), []).append(var)
+        parts.setdefault(base_name(var.name), []).append(var)
     return [np.concatenate([v.numpy() for v in group]) for group in parts.values()]
 
 
@@ -238,13 +245,13 @@ def _unique(variables: Iterable[tf.Variable]) -> list[tf.Variable]:
     return out
 
 
-def _base_name(name: str) -> str:
+def base_name(name: str) -> str:
     name = name.removesuffix(":0")
     head, sep, tail = name.rpartition("/part_")
     return head if sep and tail.isdigit() else name
 
 
-def _size(num_bytes: float) -> str:
+def human_size(num_bytes: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if num_bytes < 1024 or unit == "GiB":
             return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"

@@ -17,16 +17,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 from app import config as cfg
-from app.parameter_server import Placement, Shard, _size
+from app.parameter_server import Placement, Shard, base_name, human_size
 
 
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     read_bytes: list[int]  # ps -> worker per step: the trainable variables
-    written_bytes: list[int]  # worker -> ps per step: their gradients
+
+    @property
+    def written_bytes(self) -> list[int]:
+        """worker -> ps per step: the gradients, as large as the variables."""
+        return self.read_bytes
 
 
 def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
@@ -52,32 +57,31 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
     reported = {id(v) for v in model.variables + optimizer.variables()}
 
     shards: list[Shard] = []
-    read, written = [0] * num_ps, [0] * num_ps
+    read = [0] * num_ps
     tasks_of: dict[int, list[int]] = {}
     counter = 0
     for var in created:
         if id(var) in slots:
             continue
-        sizes = _shard_rows(var, partitioner)
         tasks_of[id(var)] = []
-        for rows in sizes:
+        for rows in _shard_rows(var, partitioner):
             task = counter % num_ps
             counter += 1
             tasks_of[id(var)].append(task)
             shape = (rows, *var.shape[1:]) if var.shape.rank else ()
-            nbytes = int(_elements(shape)) * var.dtype.size
+            nbytes = math.prod(shape) * var.dtype.size
             if id(var) in reported:
-                shards.append(Shard(parameter_server._base_name(var.name), task, shape, nbytes))
+                shards.append(Shard(base_name(var.name), task, shape, nbytes))
             if id(var) in trainable:
                 read[task] += nbytes
-                written[task] += nbytes
+    by_id = {id(v): v for v in created}
     for slot, primary in slots.items():
-        var = next(v for v in created if id(v) == slot)
+        var = by_id[slot]
         for task, rows in zip(tasks_of[primary], _shard_rows(var, partitioner), strict=True):
             shape = (rows, *var.shape[1:])
-            shards.append(Shard(parameter_server._base_name(var.name), task, shape,
-                                int(_elements(shape)) * var.dtype.size))
-    return Placement(num_ps, tuple(shards)), Traffic(read, written)
+            shards.append(Shard(base_name(var.name), task, shape,
+                                math.prod(shape) * var.dtype.size))
+    return Placement(num_ps, tuple(shards)), Traffic(read)
 
 
 def _slots(optimizer, variables) -> dict[int, int]:
@@ -100,13 +104,6 @@ def _shard_rows(var, partitioner) -> list[int]:
     return [rows // num + (1 if i < rows % num else 0) for i in range(num)]
 
 
-def _elements(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config")
@@ -125,8 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(placement.report()))
     print("per training step (one batch on one worker):")
     for i in range(args.ps):
-        print(f"  ps:{i}  sends {_size(traffic.read_bytes[i]):>10} (variables), "
-              f"receives {_size(traffic.written_bytes[i]):>10} (gradients)")
+        print(f"  ps:{i}  sends {human_size(traffic.read_bytes[i]):>10} (variables), "
+              f"receives {human_size(traffic.written_bytes[i]):>10} (gradients)")
     return 0
 
 

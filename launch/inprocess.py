@@ -22,26 +22,26 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
 def cluster_spec(num_workers: int, num_ps: int) -> dict[str, list[str]]:
-    """A chief, `num_workers` workers and `num_ps` ps tasks on free local ports."""
+    """Free local ports for a chief, `num_workers` workers and `num_ps` ps tasks;
+    with no ps, for the workers alone (a synchronous cluster)."""
     def addresses(n: int) -> list[str]:
         return [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
 
+    if not num_ps:
+        return {"worker": addresses(num_workers)}
     return {"chief": addresses(1), "worker": addresses(num_workers), "ps": addresses(num_ps)}
 
 
-def start_servers(spec: dict[str, list[str]], inter_op_threads: int = 0) -> None:
+def start_servers(spec: dict[str, list[str]]) -> None:
     """Start every ps and worker server of `spec` in this process."""
     import tensorflow as tf
 
-    config = tf.compat.v1.ConfigProto()
-    # On a 2-core host a task running several workers' functions at once can
-    # deadlock with fewer inter-op threads than workers + 1.
-    config.inter_op_parallelism_threads = inter_op_threads or len(spec["worker"]) + 1
+    from app.parameter_server import start_server
+
     cluster = tf.train.ClusterSpec(spec)
     for job in ("ps", "worker"):
         for index in range(len(spec[job])):
-            tf.distribute.Server(cluster, job_name=job, task_index=index, protocol="grpc",
-                                 config=config, start=True)
+            start_server(cluster, job, index)
 
 
 def become_chief(spec: dict[str, list[str]]) -> None:

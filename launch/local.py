@@ -2,11 +2,15 @@
 
 Each task is `python -m app.train` with its own TF_CONFIG (free local ports
 from portpicker) and the remaining arguments; each line it prints comes out
-prefixed with its task, `[ps:0]`, `[worker:1]`. When the chief exits, the
-other tasks are stopped and the launcher returns the chief's exit code. A
-worker that dies early is left dead: the chief carries on without it.
+prefixed with its task, `[ps:0]`, `[worker:1]`. The launcher returns the
+exit code of the lead task: the chief, or worker 0 when there are no ps
+(synchronous training). When the lead succeeds the others end by themselves;
+when it fails they are stopped. Under parameter servers a worker that dies
+early is left dead and the chief carries on without it; in synchronous
+training all are stopped, and `--max-restarts` relaunches them.
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
+    python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import threading
 import time
 
+from app.workdir import default_path
 from launch.inprocess import cluster_spec
 
 STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
@@ -82,12 +87,6 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
     return out
 
 
-def local_spec(num_workers: int, num_ps: int) -> dict[str, list[str]]:
-    """A parameter-server cluster (chief, workers, ps) or, with no ps, workers alone."""
-    spec = cluster_spec(num_workers, num_ps)
-    return spec if num_ps else {"worker": spec["worker"]}
-
-
 def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, bool]:
     """Start every task, wait for the lead one; (its exit code, whether a worker failed).
 
@@ -95,7 +94,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     parameter servers a dead worker is the coordinator's business; in
     synchronous training it stalls the others, so all are stopped.
     """
-    spec = local_spec(args.workers, args.ps)
+    spec = cluster_spec(args.workers, args.ps)
     tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief")
              for i in range(len(spec.get(job, ())))]
     lead = tasks[-1] if args.ps else next(t for t in tasks if t.label == "worker:0")
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
         parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
     if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
-        train_args += ["--workdir", str(default_workdir())]
+        train_args += ["--workdir", str(default_path())]
     train_args = thread_settings(args.workers, train_args) + train_args
     for attempt in range(args.max_restarts + 1):
         if attempt:
@@ -152,12 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         if code == 0 or not failed and code == 2:  # success, or a config error: no retry
             return code
     return code
-
-
-def default_workdir():
-    from app.workdir import default_path
-
-    return default_path()
 
 
 if __name__ == "__main__":
