@@ -26,9 +26,18 @@ def configure_runtime(runtime: RuntimeConfig) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(runtime.intra_op_threads)
     if runtime.inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(runtime.inter_op_threads)
-    for gpu in tf.config.list_physical_devices("GPU"):
-        # Co-located processes (local clusters, tests) must not each grab all memory.
-        tf.config.experimental.set_memory_growth(gpu, True)
+    gpus = tf.config.list_physical_devices("GPU")
+    if runtime.gpu_devices and not gpus:
+        raise ConfigError(f"runtime.gpu_devices = {runtime.gpu_devices}, but this machine has "
+                          "no GPU; use runtime.cpu_devices to split the CPU instead")
+    for i, gpu in enumerate(gpus):
+        if i == 0 and runtime.gpu_devices:
+            tf.config.set_logical_device_configuration(gpu, [
+                tf.config.LogicalDeviceConfiguration(memory_limit=runtime.gpu_device_memory_mib)
+                for _ in range(runtime.gpu_devices)])
+        else:
+            # Co-located processes (local clusters, tests) must not each grab all memory.
+            tf.config.experimental.set_memory_growth(gpu, True)
     if runtime.cpu_devices:
         split_cpu(runtime.cpu_devices)
 
@@ -107,6 +116,26 @@ def _multi_worker(cluster: Cluster | None, config: Config) -> tf.distribute.Stra
     return tf.distribute.MultiWorkerMirroredStrategy(
         cluster_resolver=cluster.resolver() if cluster else None,
         communication_options=options)
+
+
+def input_options(strategy: tf.distribute.Strategy) -> tf.distribute.InputOptions | None:
+    """How fit() should distribute the training input under `strategy`.
+
+    By default a MirroredStrategy feeds its replicas through a MultiDeviceIterator,
+    which copies every batch from the host to each device in a background
+    thread. When the replicas *are* host CPU devices there is nothing to copy
+    and that machinery only competes with the step for the cores; one plain
+    iterator per replica (PER_REPLICA, no fetch to device) avoids it. GPUs keep
+    TensorFlow's default, which overlaps the copy with the step.
+    """
+    if type(strategy) is not tf.distribute.MirroredStrategy:
+        return None
+    devices = strategy.extended.worker_devices
+    if not all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices):
+        return None
+    return tf.distribute.InputOptions(
+        experimental_fetch_to_device=False,
+        experimental_replication_mode=tf.distribute.InputReplicationMode.PER_REPLICA)
 
 
 def describe(strategy: tf.distribute.Strategy) -> str:

@@ -1,12 +1,15 @@
 import json
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from app import cluster as clusters
 from app import config as cfg
+from app import data
 from app import strategy as strategies
 from app.config import ConfigError
+from tests.conftest import tiny_split
 
 MULTI_WORKER = clusters.parse(json.dumps(
     {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}))
@@ -65,6 +68,24 @@ def test_mirrored_uses_the_logical_cpu_devices():
     assert isinstance(s, tf.distribute.MirroredStrategy)
     assert s.num_replicas_in_sync == 2  # conftest split the CPU in two
     assert strategies.describe(s) == "MirroredStrategy"
+
+
+def test_mirrored_on_cpus_feeds_each_replica_its_own_shard_of_the_training_input():
+    s = strategies.create("mirrored")
+    options = strategies.input_options(s)
+    assert options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
+    dataset_fn = data.train_dataset_fn(tiny_split(64), global_batch_size=8, shuffle_buffer=0)
+    batch = next(iter(s.distribute_datasets_from_function(dataset_fn, options)))
+    per_replica = [images.numpy() for images in s.experimental_local_results(batch[0])]
+    assert [len(p) for p in per_replica] == [4, 4]  # the global batch split over 2 replicas
+    # Replica i reads shard i: examples i, i + 2, ... of the training set.
+    expected = [data.preprocess(tiny_split(64).images[i:8:2], None)[0] for i in (0, 1)]
+    np.testing.assert_array_equal(per_replica[0], expected[0])
+    np.testing.assert_array_equal(per_replica[1], expected[1])
+
+
+def test_other_strategies_keep_tensorflows_input_defaults():
+    assert strategies.input_options(strategies.create("default")) is None
 
 
 def test_parameter_server_gives_up_on_tasks_that_never_answer():
