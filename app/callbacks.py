@@ -11,7 +11,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app.config import Config
-from app.workdir import BACKUP_DIR
+from app.workdir import BACKUP_DIR, CHECKPOINT_DIR
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
         # Resumes an interrupted run from its last epoch; emptied when fit() ends.
         keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
         *evaluations,
-        EpochCheckpoint(model, outdir / "checkpoints", keep=config.checkpoint.keep),
+        EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
         keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),
     ]
     return cbs

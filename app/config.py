@@ -61,7 +61,14 @@ class TrainConfig:
     final_lr_fraction: float = 0.01
     lr_cycle_epochs: int = 1
     lr_cycle_decay: float = 0.8
+    # Speed switches (measured by `python -m app.bench`; README: Performance).
+    # Steps per call of the compiled train function: fewer Python round trips.
     steps_per_execution: int = 1
+    # Compile the train step with XLA.
+    jit_compile: bool = False
+    # "float32", or "mixed_bfloat16" / "mixed_float16": compute in 16 bits,
+    # keep variables and the logits in float32 (Keras mixed precision).
+    precision: str = "float32"
     seed: int = 0
     # Keras verbosity: "auto" shows a progress bar on a terminal.
     verbose: str = "auto"
@@ -82,6 +89,15 @@ class RuntimeConfig:
     # Split the CPU into N logical devices (0 = leave it whole), so that
     # MirroredStrategy can run on a CPU-only machine.
     cpu_devices: int = 0
+    # Split the first GPU into N logical GPUs (0 = leave the GPUs as they are),
+    # each with `gpu_device_memory_mib` of memory: Mirrored on a one-GPU machine.
+    gpu_devices: int = 0
+    gpu_device_memory_mib: int = 4096
+    # oneDNN kernels for CPU ops. TensorFlow turns them on by itself only on
+    # CPUs with AVX-512 and newer; on the 2-core AVX2 machine of README:
+    # Performance they train the CNN about 1.4x as fast. Set before TF starts
+    # (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
+    onednn: bool = True
     # TensorFlow thread pools (0 = TensorFlow's default).
     intra_op_threads: int = 0
     inter_op_threads: int = 0
@@ -135,6 +151,7 @@ _CHOICES = {
     "train.optimizer": ("adam", "sgd"),
     "train.lr_schedule": ("cosine", "cosine_restarts", "constant"),
     "train.verbose": ("auto", "0", "1", "2"),
+    "train.precision": ("float32", "mixed_bfloat16", "mixed_float16"),
     "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
     "sync.collective": ("auto", "ring", "nccl"),
     "runtime.strategy": (
@@ -142,9 +159,11 @@ _CHOICES = {
 }
 _POSITIVE = ("train.epochs", "train.global_batch_size", "train.steps_per_execution",
              "eval.batch_size", "cluster.connect_timeout_s", "ps.shard_bytes", "checkpoint.keep",
-             "train.learning_rate", "train.lr_cycle_epochs", "train.lr_cycle_decay")
+             "train.learning_rate", "train.lr_cycle_epochs", "train.lr_cycle_decay",
+             "runtime.gpu_device_memory_mib")
 _NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_examples",
                  "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
+                 "runtime.gpu_devices",
                  "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
                  "ps.num_shards")
 

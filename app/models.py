@@ -1,7 +1,8 @@
 """Keras models. Pure `tf_keras` (Keras 2): no strategy code here.
 
 Keras 3 cannot train under ParameterServerStrategy (keras-team/keras#18624),
-so every model is built with tf_keras. Models output logits.
+so every model is built with tf_keras. Models output float32 logits, also
+under a mixed-precision policy, so the loss is computed in full precision.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def cnn(input_shape: Sequence[int], num_classes: int, dropout: float) -> keras.M
         layers.Flatten(),
         layers.Dense(1024, activation="relu"),
         layers.Dropout(dropout),
-        layers.Dense(num_classes),
+        layers.Dense(num_classes, dtype="float32"),
     ], name="cnn")
 
 
@@ -46,5 +47,5 @@ def mlp(input_shape: Sequence[int], num_classes: int) -> keras.Model:
         layers.Dense(512, activation="relu"),
         layers.Dense(128, activation="relu"),
         layers.Dense(128, activation="relu"),
-        layers.Dense(num_classes),
+        layers.Dense(num_classes, dtype="float32"),
     ], name="mlp")

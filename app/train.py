@@ -8,6 +8,7 @@ config, reads the cluster, dispatches on this task's role and calls
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import pathlib
@@ -50,12 +51,21 @@ def main(argv: list[str] | None = None) -> int:
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
     try:
         config = cfg.load(args.config, overrides)
+        # Read once, when TensorFlow starts (below, after all checks).
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
         cluster = clusters.read()
         setup_logging(cluster.label if cluster else "local")
         # Role dispatch: the one place that decides what this task does.
         if cluster and cluster.task_type == "evaluator":
-            raise cfg.ConfigError(
-                "TF_CONFIG task.type = 'evaluator' is not supported yet; run it without TF_CONFIG")
+            if args.workdir is None:
+                raise cfg.ConfigError(
+                    "the evaluator task needs --workdir: the chief's workdir, whose "
+                    "checkpoints it evaluates (a directory both can reach)")
+            from app import evaluator  # TensorFlow starts here, after all checks.
+
+            section = evaluator.run(config, args.workdir)
+            print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
+            return 0
         if cluster and cluster.num_ps and cluster.task_type in ("ps", "worker"):
             from app import parameter_server  # TensorFlow starts here, after all checks.
 

@@ -7,9 +7,9 @@ strategy and tiny datasets, so no cluster and no files outside the workdir.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import pathlib
+import resource
 import shutil
 import tempfile
 import time
@@ -23,10 +23,9 @@ from app import callbacks, data, models, parameter_server
 from app import strategy as strategies
 from app.cluster import Cluster
 from app.config import Config, ConfigError
+from app.workdir import METRICS_FILE, write_json
 
 log = logging.getLogger(__name__)
-
-METRICS_FILE = "metrics.json"
 
 
 def run(config: Config, workdir: pathlib.Path, *,
@@ -34,6 +33,17 @@ def run(config: Config, workdir: pathlib.Path, *,
         datasets: data.Datasets | None = None,
         cluster: Cluster | None = None) -> dict[str, Any]:
     """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`."""
+    # Keras' dtype policy is global; it applies to every layer built during the run.
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(config.train.precision)
+    try:
+        return _run(config, workdir, strategy, datasets, cluster)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+
+
+def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy | None,
+         datasets: data.Datasets | None, cluster: Cluster | None) -> dict[str, Any]:
     start = time.perf_counter()
     workdir = pathlib.Path(workdir)
     strategy = strategy or strategies.create(config.runtime.strategy, cluster, config)
@@ -65,6 +75,7 @@ def run(config: Config, workdir: pathlib.Path, *,
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
             metrics=["accuracy"],
             steps_per_execution=config.train.steps_per_execution,
+            jit_compile=config.train.jit_compile,
         )
         model.optimizer.build(model.trainable_variables)  # slots now, for the placement report
 
@@ -94,7 +105,8 @@ def run(config: Config, workdir: pathlib.Path, *,
         keras.utils.experimental.DatasetCreator(data.train_dataset_fn(
             datasets.train, config.train.global_batch_size, seed=config.train.seed,
             shuffle_buffer=config.data.shuffle_buffer,
-            augment_shift=config.data.augment_shift)),
+            augment_shift=config.data.augment_shift),
+            input_options=strategies.input_options(strategy)),
         epochs=config.train.epochs,
         steps_per_epoch=steps_per_epoch,
         validation_data=None if coordinated else val_ds,
@@ -122,6 +134,10 @@ def run(config: Config, workdir: pathlib.Path, *,
         "wall_seconds": round(time.perf_counter() - start, 2),
         "model": config.model.name,
         "dataset": config.data.name,
+        "precision": config.train.precision,
+        "jit_compile": config.train.jit_compile,
+        "steps_per_execution": config.train.steps_per_execution,
+        **peak_memory_mib(),
         "history": _history(history),
     }
     if ps_placement:
@@ -129,10 +145,19 @@ def run(config: Config, workdir: pathlib.Path, *,
         metrics["ps_balance"] = ps_placement.balance
         metrics["ps_partitioner"] = config.ps.partitioner
     if writer:
-        (workdir / METRICS_FILE).write_text(json.dumps(metrics, indent=2) + "\n")
+        write_json(workdir / METRICS_FILE, metrics)  # the evaluator may be waiting for it
     else:
         shutil.rmtree(outdir, ignore_errors=True)
     return metrics
+
+
+def peak_memory_mib() -> dict[str, float]:
+    """This process's peak resident memory and, with a GPU, TF's peak allocation on GPU:0."""
+    peaks = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    if tf.config.list_logical_devices("GPU"):
+        info = tf.config.experimental.get_memory_info("GPU:0")
+        peaks["peak_gpu_mib"] = round(info["peak"] / 2**20, 1)
+    return peaks
 
 
 def weights_digest(model: keras.Model) -> str:

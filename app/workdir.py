@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import datetime
+import json
+import os
 import pathlib
+import tempfile
+from typing import Any
 
 from app import config as cfg
 
 METRICS_FILE = "metrics.json"
 BACKUP_DIR = "backup"
+CHECKPOINT_DIR = "checkpoints"  # ckpt-<epoch>, read by the evaluator
 
 
 def default_path() -> pathlib.Path:
@@ -48,3 +53,11 @@ def has_backup(path: pathlib.Path) -> bool:
     backup = path / BACKUP_DIR
     return backup.is_dir() and any(p.is_file() for p in backup.rglob("*"))
 
+
+
+def write_json(path: pathlib.Path, value: Any) -> None:
+    """Write `value` as JSON to `path` atomically: a reader sees the old file or the new one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(value, indent=2) + "\n")
+    os.replace(tmp, path)
