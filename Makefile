@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast local-cluster lint clean
+.PHONY: install train test test-fast bench local-cluster lint clean
 
 install: $(STAMP)
 
@@ -12,7 +12,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	touch $(STAMP)
 
 # ARGS passes extra flags, e.g. make train ARGS='--set train.epochs=1'
@@ -27,6 +27,10 @@ test: install
 
 test-fast: install
 	$(PY) -m pytest -m "not slow and not cluster" $(ARGS)
+
+# Every strategy side by side: table, runs/bench/bench.json and bench.png
+bench: install
+	$(PY) -m app.bench --config configs/mnist.toml --steps 300 $(ARGS)
 
 # A parameter-server cluster in one process, e.g. make local-cluster WORKERS=2 PS=2
 WORKERS ?= 2

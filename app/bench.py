@@ -1,49 +1,93 @@
 """`python -m app.bench`: training throughput of each strategy, side by side.
 
-Each row is a real `python -m app.train` run in its own process (logical CPU
+Each row is a real `python -m app.train` run in its own process (logical
 devices and thread pools are fixed when TensorFlow starts), or for the
-parameter-server rows a real cluster of processes from `launch.local`, on the same model,
-synthetic data and global batch. Rows are interleaved over the repeats, so a
-machine that slows down mid-benchmark slows every row alike; each row reports
-its median steady-state examples/s and its ratio to the baseline row measured
-in the same invocation.
+multi-task rows a real cluster of processes from `launch.local`, on the same
+model, synthetic data and global batch. Rows are interleaved over the
+repeats, so a machine that slows down mid-benchmark slows every row alike.
+Each row reports its median steady-state examples/s, its ratio to the
+baseline row measured in the same invocation, the peak resident memory of
+all its processes together, and for parameter-server rows the bytes each ps
+task holds and their balance (largest / mean).
+
+Every row starts from the plain settings (TensorFlow's own CPU kernels,
+float32, no XLA, one step per execution), so that a speed switch shows up
+only in the row that turns it on.
+
+    python -m app.bench --steps 300 --workdir runs/bench   # or: make bench
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
+import platform
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 from app import config as cfg
 
-_TRAIN = ["-m", "app.train"]
-_PS = ["-m", "launch.local", "--workers", "2", "--ps", "2"]  # one process per task
-# row -> the module to run and its extra arguments (launch.local passes them to app.train)
-ROWS: dict[str, list[str]] = {
-    "baseline": [*_TRAIN, "--strategy", "default"],  # plain single-process fit
-    "mirrored_1dev": [*_TRAIN, "--strategy", "mirrored"],
-    "mirrored_2cpu": [*_TRAIN, "--strategy", "mirrored", "--set", "runtime.cpu_devices=2"],
-    "ps_2w2p": _PS,
-    # Each scheduled function runs several steps: fewer chief -> worker round trips.
-    "ps_2w2p_spe8": [*_PS, "--set", "train.steps_per_execution=8"],
-    "mwms_2w": ["-m", "launch.local", "--workers", "2", "--ps", "0"],  # synchronous all-reduce
+_TRAIN = ("-m", "app.train")
+_LOCAL = ("-m", "launch.local")  # one process per task, see launch/local.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    what: str
+    args: tuple[str, ...]
+
+
+def _ps(workers: int, ps: int, *sets: str) -> tuple[str, ...]:
+    return (*_LOCAL, "--workers", str(workers), "--ps", str(ps), *_sets(*sets))
+
+
+def _sets(*items: str) -> tuple[str, ...]:
+    return tuple(arg for item in items for arg in ("--set", item))
+
+
+# The settings every row starts from; rows and --set may change them.
+PLAIN = ("runtime.onednn=false", "train.precision=float32", "train.jit_compile=false",
+         "train.steps_per_execution=1")
+
+ROWS: dict[str, Row] = {
+    "baseline": Row("plain Keras fit, one process, default strategy",
+                    (*_TRAIN, "--strategy", "default")),
+    "onednn": Row("baseline + runtime.onednn=true (the project's default)",
+                  (*_TRAIN, "--strategy", "default", *_sets("runtime.onednn=true"))),
+    "spe8": Row("baseline + train.steps_per_execution=8",
+                (*_TRAIN, "--strategy", "default", *_sets("train.steps_per_execution=8"))),
+    "xla": Row("baseline + train.jit_compile=true",
+               (*_TRAIN, "--strategy", "default", *_sets("train.jit_compile=true"))),
+    "bf16": Row("baseline + train.precision=mixed_bfloat16",
+                (*_TRAIN, "--strategy", "default", *_sets("train.precision=mixed_bfloat16"))),
+    "mirrored_1dev": Row("MirroredStrategy on one device", (*_TRAIN, "--strategy", "mirrored")),
+    # The device list is filled in at run time: two logical CPUs, or GPUs (see _devices).
+    "mirrored_2dev": Row("MirroredStrategy on two devices", (*_TRAIN, "--strategy", "mirrored")),
+    "mwms_2w": Row("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "ps_2w1p": Row("ParameterServer: chief + 2 workers + 1 ps", _ps(2, 1)),
+    "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
+                      _ps(2, 2, "ps.partitioner=none")),
 }
-BASELINE = next(iter(ROWS))
+BASELINE = "baseline"
+DEFAULT_ROWS = ("baseline", "onednn", "spe8", "xla", "mirrored_1dev", "mirrored_2dev", "mwms_2w",
+                "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app.bench", description=__doc__.split("\n")[0])
     parser.add_argument("--config", default="configs/mnist.toml")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--steps", type=int, default=200, help="training steps per run")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every row, e.g. train.global_batch_size=128")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--rows", default=",".join(ROWS),
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/bench"))
     return parser.parse_args(argv)
@@ -51,47 +95,178 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
     """app.train arguments for a run of exactly `steps` steps of pure training."""
-    batch = cfg.load(config_path, overrides).train.global_batch_size
+    batch = cfg.load(config_path, [*PLAIN, *overrides]).train.global_batch_size
     fixed = ["data.name=synthetic", f"data.train_examples={steps * batch}",
              "data.validation_examples=0", f"data.test_examples={batch}", "train.epochs=1",
              "eval.test_every_epoch=false", "train.verbose=0"]
-    args = ["--config", config_path]
-    for item in overrides + fixed:
-        args += ["--set", item]
-    return args
+    return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
+
+
+def row_args(row: str, base_args: list[str], gpus: int) -> list[str]:
+    """The command line of `row`: its module, the shared arguments, then its own settings."""
+    module, rest = ROWS[row].args[:2], list(ROWS[row].args[2:])
+    if row == "mirrored_2dev":
+        rest += _devices(gpus)
+    return [*module, *base_args, *rest]
+
+
+def _devices(gpus: int) -> list[str]:
+    """Two replicas: two GPUs, one GPU split in two, or the CPU split in two."""
+    if gpus >= 2:
+        return []  # MirroredStrategy takes all the real GPUs
+    if gpus == 1:
+        return list(_sets("runtime.gpu_devices=2"))
+    return list(_sets("runtime.cpu_devices=2"))
 
 
 def measure(args: list[str], workdir: pathlib.Path) -> dict:
-    """Run `python <args>` (app.train or a launcher) once and return its metrics.json."""
+    """Run `python <args>` once; its metrics.json, with the peak memory of all its processes."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    result = subprocess.run([sys.executable, *args, "--workdir", str(workdir)],
-                            env=env, capture_output=True, text=True)
-    if result.returncode:
-        raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{result.stderr[-3000:]}")
-    return json.loads((workdir / "metrics.json").read_text())
+    with open(workdir.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen([sys.executable, *args, "--workdir", str(workdir)],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+        peak = 0
+        while process.poll() is None:
+            peak = max(peak, tree_rss(process.pid))
+            time.sleep(0.2)
+    if process.returncode:
+        tail = workdir.with_suffix(".log").read_text()[-3000:]
+        raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{tail}")
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    metrics["peak_memory_mib"] = round(peak / 2**20, 1)
+    return metrics
 
 
-def run(rows: list[str], base_args: list[str], repeats: int) -> dict[str, dict]:
-    samples: dict[str, list[float]] = {row: [] for row in rows}
-    with tempfile.TemporaryDirectory() as tmp:
-        for r in range(repeats):
-            for i, row in enumerate(rows):
-                metrics = measure(ROWS[row] + base_args, pathlib.Path(tmp) / f"{r}-{i}")
-                samples[row].append(metrics["train_examples_per_sec"])
-                print(f"  repeat {r + 1}/{repeats} {row}: "
-                      f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
-    medians = {row: statistics.median(s) for row, s in samples.items()}
-    base = medians[rows[0]]
-    return {row: {"examples_per_sec": medians[row], "samples": s,
-                  "ratio": round(medians[row] / base, 3)} for row, s in samples.items()}
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants, read from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue  # ended meanwhile
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    page = os.sysconf("SC_PAGE_SIZE")
+    while todo:
+        p = todo.pop()
+        todo += children.get(p, [])
+        try:
+            total += int(pathlib.Path(f"/proc/{p}/statm").read_text().split()[1]) * page
+        except OSError:
+            pass
+    return total
+
+
+def run(rows: list[str], base_args: list[str], repeats: int, gpus: int,
+        tmp: pathlib.Path) -> dict[str, dict]:
+    runs: dict[str, list[dict]] = {row: [] for row in rows}
+    for r in range(repeats):
+        for i, row in enumerate(rows):
+            metrics = measure(row_args(row, base_args, gpus), tmp / f"{r}-{i}")
+            runs[row].append(metrics)
+            print(f"  repeat {r + 1}/{repeats} {row}: "
+                  f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
+    return summarize(runs)
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: median examples/s, ratio to the first row, peak memory, ps figures."""
+    results = {}
+    for row, metrics in runs.items():
+        samples = [m["train_examples_per_sec"] for m in metrics]
+        results[row] = {
+            "what": ROWS[row].what if row in ROWS else row,
+            "examples_per_sec": statistics.median(samples),
+            "samples": samples,
+            "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
+            "num_replicas": metrics[0]["num_replicas"],
+        }
+        if "ps_bytes" in metrics[0]:
+            results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
+            results[row]["ps_balance"] = metrics[0]["ps_balance"]
+    base = results[next(iter(results))]["examples_per_sec"]
+    for r in results.values():
+        r["ratio"] = round(r["examples_per_sec"] / base, 3)
+    return results
 
 
 def table(results: dict[str, dict]) -> str:
     width = max(len(row) for row in results)
-    lines = [f"{'row':<{width}}  examples/s  ratio", f"{'-' * width}  ----------  -----"]
-    lines += [f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}"
-              for row, r in results.items()]
+    lines = [f"{'row':<{width}}  examples/s  ratio  peak MiB  ps MiB (balance)",
+             f"{'-' * width}  ----------  -----  --------  ----------------"]
+    for row, r in results.items():
+        ps = ""
+        if "ps_bytes" in r:
+            ps = " / ".join(f"{b / 2**20:.1f}" for b in r["ps_bytes"]) + f" ({r['ps_balance']})"
+        lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}  "
+                     f"{r['peak_memory_mib']:>8.0f}  {ps}")
     return "\n".join(lines)
+
+
+def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
+    """Ratios as bars and the bytes of each ps task, as a PNG; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    ps_rows = {row: r for row, r in results.items() if "ps_bytes" in r}
+    fig, axes = plt.subplots(1, 2 if ps_rows else 1, figsize=(12 if ps_rows else 7, 4.5),
+                             squeeze=False)
+    ax = axes[0][0]
+    names = list(results)
+    ratios = [results[n]["ratio"] for n in names]
+    ax.barh(names[::-1], ratios[::-1], color="tab:blue")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for y, value in enumerate(ratios[::-1]):
+        ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
+    ax.set_xlabel("examples/s relative to the baseline (same run)")
+    ax.set_title("throughput")
+    if ps_rows:
+        ax = axes[0][1]
+        tasks = max(len(r["ps_bytes"]) for r in ps_rows.values())
+        width = 0.8 / tasks
+        for task in range(tasks):
+            mib = [r["ps_bytes"][task] / 2**20 if task < len(r["ps_bytes"]) else 0
+                   for r in ps_rows.values()]
+            offset = (task - (tasks - 1) / 2) * width
+            ax.bar([i + offset for i in range(len(ps_rows))], mib, width, label=f"ps:{task}")
+        ax.set_xticks(range(len(ps_rows)), list(ps_rows), fontsize=8)
+        ax.set_ylabel("MiB of variables and optimizer slots")
+        ax.set_title("bytes per parameter server")
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def machine() -> dict[str, str | int]:
+    """What the numbers were measured on."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpus = []
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        gpus = [g.strip() for g in out.stdout.splitlines() if g.strip()] if not out.returncode \
+            else []
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count() or 0, "gpus": len(gpus),
+            "gpu": ", ".join(gpus) or "none"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -102,18 +277,30 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --rows: unknown row(s) {unknown}; rows are {list(ROWS)}", file=sys.stderr)
         return 2
     if rows[0] != BASELINE:
-        rows.insert(0, BASELINE)  # every ratio is against a baseline from the same run
+        rows = [BASELINE, *(row for row in rows if row != BASELINE)]  # ratios need it first
     try:
         base_args = train_args(args.config, args.set, args.steps)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    results = run(rows, base_args, args.repeats)
+    host = machine()
+    command = " ".join(["python -m app.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
-    report = {"command": " ".join(["python -m app.bench", *(argv or sys.argv[1:])]),
-              "steps": args.steps, "repeats": args.repeats, "rows": results}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            results = run(rows, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    report = {"command": command, "machine": host, "steps": args.steps,
+              "repeats": args.repeats, "rows": results}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    title = f"{command}\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}"
+    drawn = chart(results, title, args.workdir / "bench.png")
     print(table(results))
+    print(f"wrote {args.workdir / 'bench.json'}"
+          + (f" and {args.workdir / 'bench.png'}" if drawn else
+             " (no chart: matplotlib is missing; pip install -e '.[bench]')"))
     return 0
 
 

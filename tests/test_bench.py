@@ -1,20 +1,80 @@
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
 from app import bench
 
 
+def sets(args: list[str]) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+
+
 def test_runs_are_pure_training_of_the_asked_steps():
     args = bench.train_args("configs/mnist.toml", ["train.global_batch_size=64"], steps=10)
-    sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-    assert "data.train_examples=640" in sets and "data.validation_examples=0" in sets
-    assert "eval.test_every_epoch=false" in sets and "train.epochs=1" in sets
+    assert "data.train_examples=640" in sets(args) and "data.validation_examples=0" in sets(args)
+    assert "eval.test_every_epoch=false" in sets(args) and "train.epochs=1" in sets(args)
+
+
+def test_rows_start_plain_and_the_users_settings_come_after():
+    args = bench.train_args("configs/mnist.toml", ["train.jit_compile=true"], steps=10)
+    assert sets(args).index("train.jit_compile=false") < sets(args).index("train.jit_compile=true")
+
+
+def test_a_rows_own_settings_come_last():
+    args = bench.row_args("xla", bench.train_args("configs/mnist.toml", [], 10), gpus=0)
+    assert args[:2] == ["-m", "app.train"] and sets(args)[-1] == "train.jit_compile=true"
+
+
+@pytest.mark.parametrize("gpus, expected", [
+    (0, ["runtime.cpu_devices=2"]), (1, ["runtime.gpu_devices=2"]), (4, [])])
+def test_two_device_mirrored_row_uses_what_the_machine_has(gpus, expected):
+    args = bench.row_args("mirrored_2dev", [], gpus)
+    assert sets(args) == expected
 
 
 def test_unknown_row_is_an_error(capsys):
     assert bench.main(["--rows", "tpu pod"]) == 2
     assert "error: --rows: unknown row(s) ['tpu pod']" in capsys.readouterr().err
+
+
+def test_summary_takes_medians_and_ratios_to_the_first_row():
+    def run(speed, memory, **extra):
+        return {"train_examples_per_sec": speed, "peak_memory_mib": memory,
+                "num_replicas": 1, **extra}
+    ps = {"ps_bytes": [100, 120], "ps_balance": 1.09}
+    results = bench.summarize({
+        "baseline": [run(400, 900), run(500, 950), run(420, 940)],
+        "ps_2w2p": [run(210, 3000, **ps), run(200, 3100, **ps), run(100, 2900, **ps)],
+    })
+    assert results["baseline"]["examples_per_sec"] == 420 and results["baseline"]["ratio"] == 1.0
+    assert results["ps_2w2p"]["examples_per_sec"] == 200 and results["ps_2w2p"]["ratio"] == 0.476
+    assert results["ps_2w2p"]["peak_memory_mib"] == 3100
+    assert results["ps_2w2p"]["ps_bytes"] == [100, 120] and "ps_bytes" not in results["baseline"]
+    assert "ps_2w2p" in bench.table(results) and "100" not in bench.table(results).split("\n")[2]
+
+
+def test_tree_memory_counts_child_processes():
+    before = bench.tree_rss(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import sys, time; x = bytearray(300 << 20); x[::4096] = b'1' * "
+                              "len(x[::4096]); print(flush=True); time.sleep(30)"],
+                             stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the child has touched its 300 MiB
+        assert bench.tree_rss(os.getpid()) - before > 250 << 20
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_chart_draws_ratios_and_ps_bytes(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"baseline": {"ratio": 1.0}, "ps_2w2p": {"ratio": 0.5, "ps_bytes": [10, 12]}}
+    assert bench.chart(results, "title", tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.slow
@@ -23,7 +83,10 @@ def test_smoke_writes_a_report_with_ratios(tmp_path):
                        "--set", "train.global_batch_size=32", "--workdir", str(tmp_path)])
     assert code == 0
     report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["machine"]["cores"] > 0 and report["steps"] == 30
     rows = report["rows"]
     assert list(rows) == [bench.BASELINE, "mirrored_1dev"]  # baseline added first
     assert rows[bench.BASELINE]["ratio"] == 1.0
-    assert all(r["examples_per_sec"] > 0 and len(r["samples"]) == 1 for r in rows.values())
+    for r in rows.values():
+        assert r["examples_per_sec"] > 0 and len(r["samples"]) == 1
+        assert r["peak_memory_mib"] > 100  # a TensorFlow process is never smaller
