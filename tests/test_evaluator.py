@@ -1,0 +1,56 @@
+import json
+
+import pytest
+import tensorflow as tf
+from tf_keras.src.utils import sidecar_evaluator
+
+from app import config as cfg
+from app import evaluator, trainer
+
+SETTINGS = ["train.epochs=2", "train.global_batch_size=32", "eval.test_every_epoch=false",
+            "train.verbose=0"]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, tiny_datasets):
+    workdir = tmp_path_factory.mktemp("run")
+    config = cfg.load(None, SETTINGS)
+    metrics = trainer.run(config, workdir, strategy=tf.distribute.get_strategy(),
+                          datasets=tiny_datasets)
+    return workdir, metrics
+
+
+@pytest.fixture
+def fast_timeout(monkeypatch):
+    """Keras waits 30 s for a new checkpoint before asking whether to stop."""
+    monkeypatch.setattr(sidecar_evaluator, "_CHECKPOINT_TIMEOUT_SEC", 1)
+
+
+def test_evaluates_the_last_checkpoint_like_the_chief(finished_run, tiny_datasets):
+    workdir, metrics = finished_run
+    section = evaluator.run(cfg.load(None, SETTINGS), workdir, datasets=tiny_datasets)
+    assert section["checkpoint"] == "ckpt-2" and section["epoch"] == 2
+    # The same weights on the same 101 test images as the chief's own final evaluation.
+    assert section["test_accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1e-6)
+    assert section["test_loss"] == pytest.approx(metrics["test_loss"], rel=1e-4)
+    written = json.loads((workdir / "metrics.json").read_text())
+    assert written["eval"] == section and written["test_accuracy"] == metrics["test_accuracy"]
+    assert any((workdir / "eval" / "tensorboard").rglob("events.out.tfevents.*"))
+
+
+def test_stops_when_training_finished_short_of_its_epochs(finished_run, tiny_datasets,
+                                                          fast_timeout):
+    workdir, _ = finished_run
+    # Asked for 5 epochs, training stopped after 2: without metrics.json as the
+    # signal, Keras' evaluator would wait for ckpt-5 forever.
+    config = cfg.load(None, [*SETTINGS, "train.epochs=5"])
+    section = evaluator.run(config, workdir, datasets=tiny_datasets)
+    assert section["epoch"] == 2
+
+
+def test_without_metrics_the_section_is_kept_in_eval_json(tmp_path, tiny_datasets, fast_timeout):
+    config = cfg.load(None, SETTINGS)
+    trainer.run(config, tmp_path, strategy=tf.distribute.get_strategy(), datasets=tiny_datasets)
+    (tmp_path / "metrics.json").unlink()  # as if the chief had died after its last checkpoint
+    section = evaluator.run(config, tmp_path, datasets=tiny_datasets, wait_for_metrics_s=0.1)
+    assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == {"eval": section}
