@@ -46,6 +46,20 @@ def setup_logging(label: str) -> None:
     log.setLevel(logging.INFO)
 
 
+def role(cluster: clusters.Cluster | None) -> str:
+    """What this task does; the one place that decides it.
+
+    "evaluate": the evaluator, SidecarEvaluator on the chief's checkpoints;
+    "serve": a ps or worker of a parameter-server cluster, a TF server the chief drives;
+    "train": everyone else (no cluster, the chief, synchronous workers) runs model.fit.
+    """
+    if cluster and cluster.task_type == "evaluator":
+        return "evaluate"
+    if cluster and cluster.num_ps and cluster.task_type in ("ps", "worker"):
+        return "serve"
+    return "train"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
@@ -55,8 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
         cluster = clusters.read()
         setup_logging(cluster.label if cluster else "local")
-        # Role dispatch: the one place that decides what this task does.
-        if cluster and cluster.task_type == "evaluator":
+        task = role(cluster)
+        if task == "evaluate":
             if args.workdir is None:
                 raise cfg.ConfigError(
                     "the evaluator task needs --workdir: the chief's workdir, whose "
@@ -66,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             section = evaluator.run(config, args.workdir)
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0
-        if cluster and cluster.num_ps and cluster.task_type in ("ps", "worker"):
+        if task == "serve":
             from app import parameter_server  # TensorFlow starts here, after all checks.
 
             parameter_server.serve(cluster, config.runtime)  # returns when the chief is done

@@ -11,6 +11,7 @@ training all are stopped, and `--max-restarts` relaunches them.
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
+    python -m launch.local --workers 2 --ps 1 --evaluator --config configs/mnist_ps.toml
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ import sys
 import threading
 import time
 
+import portpicker
+
 from app.workdir import default_path
 from launch.inprocess import cluster_spec
 
 STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
+EVALUATOR_GRACE_S = 300
 
 
 class Task:
@@ -55,11 +59,11 @@ class Task:
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
 
-    def finish(self) -> int:
-        """Wait for the process to end: SIGTERM after the grace period, SIGKILL after another."""
+    def finish(self, grace_s: float = STOP_GRACE_S) -> int:
+        """Wait for the process to end: SIGTERM after `grace_s`, SIGKILL after another."""
         for escalate in (self.stop, self.process.kill, None):
             try:
-                code = self.process.wait(timeout=STOP_GRACE_S)
+                code = self.process.wait(timeout=grace_s)
                 break
             except subprocess.TimeoutExpired:
                 if escalate is None:
@@ -95,7 +99,9 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     synchronous training it stalls the others, so all are stopped.
     """
     spec = cluster_spec(args.workers, args.ps)
-    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief")
+    if args.evaluator:  # listed in the cluster, as Kubeflow does; it serves nothing
+        spec["evaluator"] = [f"localhost:{portpicker.pick_unused_port()}"]
+    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
              for i in range(len(spec.get(job, ())))]
     lead = tasks[-1] if args.ps else next(t for t in tasks if t.label == "worker:0")
     synchronous = not args.ps
@@ -123,7 +129,9 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         for task in tasks:
             task.stop()
     for task in others:
-        announce(f"{task.label} exited with {task.finish()}")
+        # The evaluator may still be evaluating the last checkpoint.
+        grace = EVALUATOR_GRACE_S if task.label.startswith("evaluator") else STOP_GRACE_S
+        announce(f"{task.label} exited with {task.finish(grace)}")
     code = lead.finish()
     return (1 if failed else code), failed is not None
 
@@ -135,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--ps", type=int, default=1,
                         help="parameter servers (0: synchronous training, workers only)")
+    parser.add_argument("--evaluator", action="store_true",
+                        help="also run an evaluator task: SidecarEvaluator on the checkpoints")
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="relaunch every task up to N times after a failure; training "
                              "resumes from the workdir's backup (like torchrun)")

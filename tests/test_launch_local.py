@@ -48,6 +48,26 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     assert "[launch] worker:0 exited with 0" in output
 
 
+def test_evaluator_task_evaluates_the_chiefs_checkpoints(tmp_path):
+    workdir = tmp_path / "run"
+    args = [sys.executable, "-u", "-m", "launch.local", "--workers", "1", "--ps", "1",
+            "--evaluator", "--set", "data.train_examples=3000",
+            "--set", "data.validation_examples=0", "--set", "data.test_examples=300",
+            "--set", "train.epochs=2", "--set", "eval.test_every_epoch=false",
+            "--set", "train.verbose=0", "--workdir", str(workdir)]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[launch] evaluator:0 exited with 0" in result.stdout
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    evaluation = metrics["eval"]
+    # The last checkpoint holds the final weights, sharded over the ps during
+    # training and restored whole by the evaluator: the same accuracy as the chief's.
+    assert evaluation["checkpoint"] == "ckpt-2" and evaluation["num_test_examples"] == 300
+    assert evaluation["test_accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1e-6)
+    assert any((workdir / "eval" / "tensorboard").rglob("events.out.tfevents.*"))
+
+
 def test_thread_settings_share_the_cores_unless_chosen():
     cores = os.cpu_count()
     assert local.thread_settings(2, []) == [

@@ -1,0 +1,117 @@
+"""`python -m launch.slurm`: turn one task of a SLURM job step into a TF_CONFIG task.
+
+Run under `srun`, one task per node (see `launch/slurm/train.sbatch`). From
+SLURM's environment each task works out every task's address (in rank order,
+SLURM's block distribution) and its own role, sets TF_CONFIG and becomes
+`python -m app.train` with the remaining arguments:
+
+- with `--ps N` (N > 0): rank 0 is the chief, ranks 1..N the ps tasks, the
+  rest workers (parameter-server training);
+- with `--ps 0`: every rank is a worker (synchronous training; rank 0 writes).
+
+TensorFlow's `SlurmClusterResolver` does the same mapping, but it cannot run
+on CPU-only nodes: with no GPU it computes `range(0, 0, 0)` and fails
+(tensorflow/python/distribute/cluster_resolver/slurm_cluster_resolver.py,
+`cluster_spec`), and it orders jobs by name, not chief first. Hence this module.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+
+_RANGE = re.compile(r"^(\d+)(?:-(\d+))?$")
+
+
+class SlurmError(ValueError):
+    """SLURM's environment is missing or does not fit the requested cluster."""
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Expand SLURM's compressed node list: 'n[01-03,07],gpu5' -> n01 n02 n03 n07 gpu5."""
+    hosts = []
+    for prefix, ranges in re.findall(r"([^,\[]+)(?:\[([^\]]*)\])?,?", nodelist):
+        if not ranges:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            m = _RANGE.match(part)
+            if not m:
+                raise SlurmError(f"cannot read the node range {part!r} in {nodelist!r}")
+            first, last = m[1], m[2] or m[1]
+            hosts += [f"{prefix}{i:0{len(first)}d}" for i in range(int(first), int(last) + 1)]
+    return hosts
+
+
+def tasks_per_node(spec: str) -> list[int]:
+    """Expand SLURM's tasks-per-node list: '2(x3),1' -> [2, 2, 2, 1]."""
+    counts = []
+    for part in spec.split(","):
+        m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part)
+        if not m:
+            raise SlurmError(f"cannot read the tasks-per-node entry {part!r} in {spec!r}")
+        counts += [int(m[1])] * int(m[2] or 1)
+    return counts
+
+
+def _var(env: Mapping[str, str], *names: str) -> str:
+    for name in names:
+        if env.get(name):
+            return env[name]
+    raise SlurmError(f"{names[0]} is not set: run this under srun, inside a SLURM allocation "
+                     "(see launch/slurm/train.sbatch)")
+
+
+def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
+    """The TF_CONFIG of the SLURM task described by `env`."""
+    rank = int(_var(env, "SLURM_PROCID"))
+    hosts = hostnames(_var(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
+    counts = tasks_per_node(_var(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
+    if len(counts) != len(hosts):
+        raise SlurmError(f"{len(hosts)} nodes but tasks-per-node lists {len(counts)}")
+    # Tasks sharing a node get consecutive ports.
+    addresses = [f"{host}:{port + i}" for host, n in zip(hosts, counts, strict=True)
+                 for i in range(n)]
+    if num_ps and len(addresses) < num_ps + 2:
+        raise SlurmError(f"--ps {num_ps} needs at least {num_ps + 2} SLURM tasks (a chief, "
+                         f"the ps tasks and a worker), the step has {len(addresses)}; "
+                         "ask sbatch for more nodes or lower --ps")
+    if num_ps:
+        cluster = {"chief": addresses[:1], "ps": addresses[1:1 + num_ps],
+                   "worker": addresses[1 + num_ps:]}
+    else:
+        cluster = {"worker": addresses}
+    start = 0
+    for job, members in cluster.items():
+        if rank < start + len(members):
+            return {"cluster": cluster, "task": {"type": job, "index": rank - start}}
+        start += len(members)
+    raise SlurmError(f"SLURM_PROCID {rank} is outside the step's {len(addresses)} tasks")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import os
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m launch.slurm",
+                                     description=__doc__.split("\n")[0],
+                                     epilog="Other arguments go to app.train.")
+    parser.add_argument("--ps", type=int, default=1, help="parameter servers (0: synchronous)")
+    parser.add_argument("--port", type=int, default=2222, help="gRPC port (per node)")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print TF_CONFIG and the command instead of running it")
+    args, train_args = parser.parse_known_args(argv)
+    try:
+        config = tf_config(os.environ, args.ps, args.port)
+    except SlurmError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    command = [sys.executable, "-m", "app.train", *train_args]
+    if args.dry_run:
+        print(json.dumps({"TF_CONFIG": config, "command": command[1:]}))
+        return 0
+    os.environ["TF_CONFIG"] = json.dumps(config)
+    os.execv(sys.executable, command)
+    return 0  # not reached

@@ -1,0 +1,94 @@
+"""The SLURM launch, fed a faked SLURM environment: sbatch's script runs
+under a stand-in `srun` that starts every rank with --dry-run."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from app import cluster as clusters
+from app import train
+from launch import slurm
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("nodelist, hosts", [
+    ("node7", ["node7"]),
+    ("n[01-03,07],gpu5", ["n01", "n02", "n03", "n07", "gpu5"]),
+    ("a[8-10]", ["a8", "a9", "a10"]),
+])
+def test_node_lists_expand(nodelist, hosts):
+    assert slurm.hostnames(nodelist) == hosts
+
+
+def test_tasks_per_node_expand():
+    assert slurm.tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+
+
+def env(rank: int, nodes: str = "n[1-4]", tasks: str = "1(x4)") -> dict[str, str]:
+    return {"SLURM_PROCID": str(rank), "SLURM_STEP_NODELIST": nodes,
+            "SLURM_STEP_TASKS_PER_NODE": tasks}
+
+
+def test_two_tasks_on_a_node_get_consecutive_ports():
+    config = slurm.tf_config(env(3, "n[1-2]", "2(x2)"), num_ps=0, port=2222)
+    assert config["cluster"] == {"worker": ["n1:2222", "n1:2223", "n2:2222", "n2:2223"]}
+    assert config["task"] == {"type": "worker", "index": 3}
+
+
+def test_too_few_tasks_for_the_ps_is_an_error():
+    with pytest.raises(slurm.SlurmError, match="--ps 3 needs at least 5 SLURM tasks"):
+        slurm.tf_config(env(0), num_ps=3, port=2222)
+
+
+def test_outside_slurm_is_a_clear_error(capsys, monkeypatch):
+    for name in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    assert slurm.main(["--dry-run"]) == 2
+    assert "SLURM_PROCID is not set: run this under srun" in capsys.readouterr().err
+
+
+def run_sbatch(tmp_path: pathlib.Path, extra_env: dict[str, str]) -> list[dict]:
+    """Run train.sbatch as SLURM would, with a stand-in srun; each rank's dry-run output."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "srun").write_text(
+        "#!/bin/bash\n"
+        "while [[ $1 == --* ]]; do shift; done  # srun's own options\n"
+        "for ((r = 0; r < SLURM_NTASKS; r++)); do SLURM_PROCID=$r \"$@\" || exit 1; done\n")
+    (fake / "srun").chmod(0o755)
+    environment = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TF_"))}
+    environment.update(PATH=f"{fake}:{environment['PATH']}", PYTHON=sys.executable,
+                       SLURM_JOB_ID="42", SLURM_NTASKS="4", SLURM_STEP_NODELIST="n[1-4]",
+                       SLURM_STEP_TASKS_PER_NODE="1(x4)", **extra_env)
+    result = subprocess.run(["bash", str(ROOT / "launch/slurm/train.sbatch"), "--dry-run"],
+                            cwd=ROOT, env=environment, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines()]
+
+
+def test_sbatch_parameter_server_roles(tmp_path):
+    ranks = run_sbatch(tmp_path, {})
+    clusters_seen = [clusters.parse(json.dumps(r["TF_CONFIG"])) for r in ranks]
+    assert [(c.task_type, c.task_index) for c in clusters_seen] == [
+        ("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)]
+    assert [train.role(c) for c in clusters_seen] == ["train", "serve", "serve", "serve"]
+    assert clusters_seen[0].jobs == {"chief": ("n1:2222",), "ps": ("n2:2222",),
+                                     "worker": ("n3:2222", "n4:2222")}
+    command = ranks[0]["command"]
+    assert command[:2] == ["-m", "app.train"]
+    assert command[command.index("--workdir") + 1] == str(ROOT / "runs/slurm-42")
+    assert command[command.index("--config") + 1] == "configs/mnist_ps.toml"
+
+
+def test_sbatch_synchronous_roles(tmp_path):
+    ranks = run_sbatch(tmp_path, {"PS": "0", "CONFIG": "configs/mnist_sync.toml"})
+    seen = [clusters.parse(json.dumps(r["TF_CONFIG"])) for r in ranks]
+    assert [(c.task_type, c.task_index, c.is_chief) for c in seen] == [
+        ("worker", i, i == 0) for i in range(4)]
+    assert {train.role(c) for c in seen} == {"train"}
