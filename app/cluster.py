@@ -31,6 +31,12 @@ class ClusterError(ConfigError):
     """TF_CONFIG describes a cluster that cannot work."""
 
 
+class TaskLost(RuntimeError):
+    """A task the run depends on went away mid-run; a restart resumes from the backup."""
+
+    exit_code = 3  # not 2: launchers retry this one, not a configuration mistake
+
+
 @dataclasses.dataclass(frozen=True)
 class Cluster:
     """A validated TF_CONFIG: every job's addresses and this process's task."""
@@ -82,6 +88,14 @@ class Cluster:
         return tf.distribute.cluster_resolver.SimpleClusterResolver(
             tf.train.ClusterSpec(self.training_jobs), task_type=self.task_type,
             task_id=self.task_index, rpc_layer=self.rpc_layer)
+
+
+def lost_ps(message: str, cluster: Cluster) -> str:
+    """Name the ps tasks a TensorFlow error message blames, with their addresses."""
+    indices = sorted({int(i) for i in re.findall(r"/job:ps/replica:0/task:(\d+)", message)})
+    ps = cluster.jobs.get("ps", ())
+    named = [f"ps:{i} ({ps[i]})" for i in indices if i < len(ps)]
+    return ", ".join(named) or "a parameter server"
 
 
 def read() -> Cluster | None:

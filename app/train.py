@@ -95,6 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except clusters.TaskLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     print(trainer.summary_line(metrics))
     return 0
 

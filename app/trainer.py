@@ -21,9 +21,9 @@ import tf_keras as keras
 
 from app import callbacks, data, models, parameter_server
 from app import strategy as strategies
-from app.cluster import Cluster
+from app.cluster import Cluster, TaskLost, lost_ps
 from app.config import Config, ConfigError
-from app.workdir import METRICS_FILE, write_json
+from app.workdir import BACKUP_DIR, METRICS_FILE, write_json
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,15 @@ def run(config: Config, workdir: pathlib.Path, *,
     keras.mixed_precision.set_global_policy(config.train.precision)
     try:
         return _run(config, workdir, strategy, datasets, cluster)
+    except tf.errors.UnavailableError as e:
+        if not (cluster and cluster.num_ps):
+            raise
+        # The coordinator stops at the first unreachable ps (its variables are
+        # gone); carrying on is impossible, waiting is pointless.
+        raise TaskLost(
+            f"parameter server {lost_ps(e.message, cluster)} became unreachable; training "
+            f"stopped. Restart the whole job (launch.local --max-restarts, or the cluster's "
+            f"restart policy): it resumes from {workdir / BACKUP_DIR}") from None
     finally:
         keras.mixed_precision.set_global_policy(previous)
 
