@@ -119,7 +119,7 @@ def add_to_metrics(workdir: pathlib.Path, key: str, value: Any, wait_s: float) -
     if not path.exists():
         fallback = workdir / EVAL_DIR / "eval.json"
         fallback.parent.mkdir(parents=True, exist_ok=True)
-        fallback.write_text(json.dumps({key: value}, indent=2) + "\n")
+        write_json(fallback, {key: value})
         log.warning("training wrote no %s within %.0f s; wrote %s", METRICS_FILE, wait_s,
                     fallback)
         return
