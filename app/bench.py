@@ -51,21 +51,24 @@ def _sets(*items: str) -> tuple[str, ...]:
     return tuple(arg for item in items for arg in ("--set", item))
 
 
+_BASELINE = (*_TRAIN, "--strategy", "default")
+
+
+def _switch(setting: str, note: str = "") -> Row:
+    """The baseline with one speed switch turned on."""
+    return Row(f"baseline + {setting}{note}", (*_BASELINE, *_sets(setting)))
+
+
 # The settings every row starts from; rows and --set may change them.
 PLAIN = ("runtime.onednn=false", "train.precision=float32", "train.jit_compile=false",
          "train.steps_per_execution=1")
 
 ROWS: dict[str, Row] = {
-    "baseline": Row("plain Keras fit, one process, default strategy",
-                    (*_TRAIN, "--strategy", "default")),
-    "onednn": Row("baseline + runtime.onednn=true (the project's default)",
-                  (*_TRAIN, "--strategy", "default", *_sets("runtime.onednn=true"))),
-    "spe8": Row("baseline + train.steps_per_execution=8",
-                (*_TRAIN, "--strategy", "default", *_sets("train.steps_per_execution=8"))),
-    "xla": Row("baseline + train.jit_compile=true",
-               (*_TRAIN, "--strategy", "default", *_sets("train.jit_compile=true"))),
-    "bf16": Row("baseline + train.precision=mixed_bfloat16",
-                (*_TRAIN, "--strategy", "default", *_sets("train.precision=mixed_bfloat16"))),
+    "baseline": Row("plain Keras fit, one process, default strategy", _BASELINE),
+    "onednn": _switch("runtime.onednn=true", " (the project's default)"),
+    "spe8": _switch("train.steps_per_execution=8"),
+    "xla": _switch("train.jit_compile=true"),
+    "bf16": _switch("train.precision=mixed_bfloat16"),
     "mirrored_1dev": Row("MirroredStrategy on one device", (*_TRAIN, "--strategy", "mirrored")),
     # The device list is filled in at run time: two logical CPUs, or GPUs (see _devices).
     "mirrored_2dev": Row("MirroredStrategy on two devices", (*_TRAIN, "--strategy", "mirrored")),
@@ -178,7 +181,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
         results[row] = {
-            "what": ROWS[row].what if row in ROWS else row,
+            "what": ROWS[row].what,
             "examples_per_sec": statistics.median(samples),
             "samples": samples,
             "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
