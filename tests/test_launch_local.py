@@ -3,15 +3,13 @@ one worker SIGKILLed mid-epoch; the chief finishes the run on the other."""
 
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from launch import local
+from tests.launching import kill_on_line
 
 pytestmark = pytest.mark.slow
 
@@ -25,19 +23,10 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True, env=env)
-    lines, killed_at = [], None
-    pids = {}
-    for line in launcher.stdout:
-        lines.append(line)
-        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-            pids[started[1]] = int(started[2])
-        if killed_at is None and line.startswith("[chief:0] Epoch 1/2"):
-            time.sleep(3)  # well inside the first epoch
-            os.kill(pids["worker:1"], signal.SIGKILL)
-            killed_at = len(lines)
+    # 3 s after the first epoch starts: well inside it.
+    output, killed = kill_on_line(launcher, "[chief:0] Epoch 1/2", "worker:1", delay_s=3)
     code = launcher.wait(timeout=60)
-    output = "".join(lines)
-    assert killed_at is not None, output[-3000:]
+    assert killed, output[-3000:]
     assert code == 0, output[-3000:]
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["epochs_completed"] == 2

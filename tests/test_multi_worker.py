@@ -3,11 +3,12 @@
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from tests.launching import kill_on_line
 
 pytestmark = pytest.mark.slow
 
@@ -45,16 +46,9 @@ def test_two_workers_train_in_sync_and_write_results_once(tmp_path):
 
 def test_a_killed_worker_is_relaunched_and_resumes_from_the_backup(tmp_path):
     launcher = launch(tmp_path, "--set", "train.epochs=3", "--max-restarts", "1")
-    lines, pids, killed = [], {}, False
-    for line in launcher.stdout:
-        lines.append(line)
-        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-            pids[started[1]] = int(started[2])
-        if not killed and line.startswith("[worker:1] Epoch 2/3"):
-            os.kill(pids["worker:1"], signal.SIGKILL)  # epoch 1 is in the backup
-            killed = True
+    # Killed as epoch 2 begins: epoch 1 is in the backup.
+    output, killed = kill_on_line(launcher, "[worker:1] Epoch 2/3", "worker:1")
     launcher.wait(timeout=60)
-    output = "".join(lines)
     assert killed and launcher.returncode == 0, output[-3000:]
     after = output[output.index("[launch] restart 1 of 1"):]
     assert "[worker:0] Epoch 1/3" not in after  # the completed epoch is not redone

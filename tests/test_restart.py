@@ -5,11 +5,12 @@ epoch; the relaunched job resumes after the first and finishes as a clean run.""
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
+
+from tests.launching import kill_on_line
 
 pytestmark = pytest.mark.slow
 
@@ -25,16 +26,9 @@ def run_and_kill(tmp_path, victim: str) -> tuple[str, dict]:
         [sys.executable, "-u", "-m", "launch.local", "--workers", "1", "--ps", "2",
          "--max-restarts", "1", *SMALL, "--workdir", str(tmp_path / "run")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    lines, pids, killed = [], {}, False
-    for line in launcher.stdout:
-        lines.append(line)
-        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-            pids[started[1]] = int(started[2])
-        if not killed and line.startswith("[chief:0] Epoch 2/2"):
-            os.kill(pids[victim], signal.SIGKILL)  # epoch 1 is in the backup
-            killed = True
+    # Killed as epoch 2 begins: epoch 1 is in the backup.
+    output, killed = kill_on_line(launcher, "[chief:0] Epoch 2/2", victim)
     launcher.wait(timeout=60)
-    output = "".join(lines)
     assert killed and launcher.returncode == 0, output[-4000:]
     return output, json.loads((tmp_path / "run" / "metrics.json").read_text())
 
