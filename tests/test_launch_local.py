@@ -30,7 +30,9 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     assert code == 0, output[-3000:]
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["epochs_completed"] == 2
-    assert metrics["steps"] >= 2 * 5500 // 32  # every scheduled step ran, on worker 0
+    # Every scheduled step ran (171 an epoch), on worker 0; a step the killed worker had
+    # already applied before dying is run again, so one more is possible.
+    assert metrics["steps"] >= 2 * (5500 // 32)
     assert "[launch] chief:0 exited with 0" in output
     # The survivors saw the chief go and stopped by themselves, with exit code 0.
     assert "[launch] ps:0 exited with 0" in output
