@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pathlib
 import typing
 from typing import Any
 
@@ -200,12 +199,6 @@ def to_toml(config: Config) -> str:
         lines.extend(f"{key} = {json.dumps(value)}" for key, value in values.items())
         lines.append("")
     return "\n".join(lines)
-
-
-def write(config: Config, workdir: pathlib.Path) -> pathlib.Path:
-    path = workdir / "config.toml"
-    path.write_text(to_toml(config))
-    return path
 
 
 def validate(config: Config) -> None:

@@ -44,7 +44,8 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
                 f"({'; '.join(changed)}); resume it with the same config, or choose a new "
                 "--workdir")
     path.mkdir(parents=True, exist_ok=True)
-    cfg.write(config, path)
+    # Every task of a cluster writes it, while a relaunched peer may be reading it.
+    write_text(path / "config.toml", cfg.to_toml(config))
     return path
 
 
@@ -53,11 +54,14 @@ def has_backup(path: pathlib.Path) -> bool:
     backup = path / BACKUP_DIR
     return backup.is_dir() and any(p.is_file() for p in backup.rglob("*"))
 
+def write_text(path: pathlib.Path, text: str) -> None:
+    """Write `text` to `path` atomically: a reader sees the old file or the new one, never a
+    truncated one."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def write_json(path: pathlib.Path, value: Any) -> None:
-    """Write `value` as JSON to `path` atomically: a reader sees the old file or the new one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(value, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text(path, json.dumps(value, indent=2) + "\n")

@@ -36,3 +36,14 @@ def test_a_run_that_failed_before_training_is_simply_redone(tmp_path):
     fixed = cfg.load(None, ["train.global_batch_size=32"])
     assert workdir.prepare(tmp_path, fixed) == tmp_path
     assert cfg.load(str(tmp_path / "config.toml")) == fixed
+
+
+def test_config_is_replaced_not_rewritten_in_place(tmp_path):
+    # Each task of a cluster writes config.toml while a relaunched peer may be reading it;
+    # a reader must never see it truncated (it would parse as the defaults).
+    workdir.prepare(tmp_path, cfg.Config())
+    with open(tmp_path / "config.toml") as reader:
+        workdir.prepare(tmp_path, cfg.load(None, ["train.epochs=2"]))
+        assert reader.read() == cfg.to_toml(cfg.Config())
+    assert cfg.load(str(tmp_path / "config.toml")).train.epochs == 2
+    assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]
