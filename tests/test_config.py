@@ -21,7 +21,8 @@ def test_file_then_set_overrides_apply_in_order(tmp_path):
 
 def test_round_trip_through_written_toml(tmp_path):
     config = cfg.load(None, ["train.epochs=2", "data.dir=/x y/z", "eval.test_every_epoch=false"])
-    written = cfg.write(config, tmp_path)
+    written = tmp_path / "config.toml"
+    written.write_text(cfg.to_toml(config))
     assert cfg.load(str(written)) == config
 
 
