@@ -18,14 +18,14 @@ log = logging.getLogger(__name__)
 
 def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
                  model: keras.Model, throughput: Throughput, evaluations: list[Evaluation],
-                 ) -> list[keras.callbacks.Callback]:
+                 resumable: bool = True) -> list[keras.callbacks.Callback]:
     """The callbacks of a run, in order: throughput stops its clock before the
     backup and the evaluations, whose results join the epoch's logs before TensorBoard and
-    History record them."""
+    History record them. Only fit() can resume (`resumable`): the backup restores its loop."""
     cbs: list[keras.callbacks.Callback] = [
         throughput,
         # Resumes an interrupted run from its last epoch; emptied when fit() ends.
-        keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR)),
+        *([keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR))] if resumable else []),
         *evaluations,
         EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
         keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),

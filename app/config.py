@@ -118,6 +118,13 @@ class PSConfig:
     partitioner: str = "min_size"
     shard_bytes: int = 256 << 10
     num_shards: int = 0
+    # "async": each worker's update is applied as it arrives (the classic
+    # ps/worker default, Keras fit). "sync": every update averages the
+    # gradients of the first `workers - backup_workers` workers computed on the
+    # current parameters and drops the rest (app/sync_ps.py). In sync mode
+    # train.global_batch_size is the examples per update, split over those workers.
+    mode: str = "async"
+    backup_workers: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +132,15 @@ class SyncConfig:
     # MultiWorkerMirroredStrategy's all-reduce: "auto" lets TensorFlow pick,
     # "ring" (gRPC, CPU or GPU) or "nccl" (GPUs only).
     collective: str = "auto"
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    # Straggler injection (parameter-server runs): worker `slow_worker` sleeps
+    # after computing each gradient until its step took `slow_factor` times as
+    # long. -1 = off.
+    slow_worker: int = -1
+    slow_factor: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +159,7 @@ class Config:
     ps: PSConfig = PSConfig()
     sync: SyncConfig = SyncConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    debug: DebugConfig = DebugConfig()
 
 
 _CHOICES = {
@@ -152,6 +169,7 @@ _CHOICES = {
     "train.verbose": ("auto", "0", "1", "2"),
     "train.precision": ("float32", "mixed_bfloat16", "mixed_float16"),
     "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
+    "ps.mode": ("async", "sync"),
     "sync.collective": ("auto", "ring", "nccl"),
     "runtime.strategy": (
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
@@ -164,7 +182,7 @@ _NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_e
                  "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
                  "runtime.gpu_devices",
                  "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
-                 "ps.num_shards")
+                 "ps.num_shards", "ps.backup_workers")
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
@@ -213,6 +231,11 @@ def validate(config: Config) -> None:
     for key in _NON_NEGATIVE:
         if flat[key] < 0:
             raise ConfigError(f"{key} = {flat[key]} must be >= 0")
+    if config.debug.slow_worker < -1:
+        raise ConfigError(f"debug.slow_worker = {config.debug.slow_worker} must be a worker "
+                          "index, or -1 for none")
+    if config.debug.slow_factor < 1:
+        raise ConfigError(f"debug.slow_factor = {config.debug.slow_factor} must be >= 1")
     if not 0 <= config.model.dropout < 1:
         raise ConfigError(f"model.dropout = {config.model.dropout} must be in [0, 1)")
     if not 0 <= config.train.final_lr_fraction <= 1:

@@ -148,14 +148,15 @@ def describe(strategy: tf.distribute.Strategy) -> str:
     return "DefaultStrategy" if name == "_DefaultDistributionStrategy" else name
 
 
-def check_batch(global_batch_size: int, num_replicas: int) -> int:
+def check_batch(global_batch_size: int, num_replicas: int,
+                what: str = "the number of replicas") -> int:
     """The per-replica batch; the global batch must split evenly over the replicas."""
     if global_batch_size % num_replicas:
         lower = global_batch_size - global_batch_size % num_replicas
         options = " or ".join(str(b) for b in (lower, lower + num_replicas) if b)
         raise ConfigError(
-            f"train.global_batch_size ({global_batch_size}) must be divisible by the "
-            f"number of replicas ({num_replicas}); use {options}")
+            f"train.global_batch_size ({global_batch_size}) must be divisible by "
+            f"{what} ({num_replicas}); use {options}")
     return global_batch_size // num_replicas
 
 
