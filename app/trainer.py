@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, data, models, parameter_server
+from app import callbacks, data, models, parameter_server, sync_ps
 from app import strategy as strategies
 from app.cluster import Cluster, TaskLost, lost_ps
 from app.config import Config, ConfigError
@@ -64,6 +64,13 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     outdir = workdir if writer else pathlib.Path(tempfile.mkdtemp(prefix="worker-outputs-"))
     replicas = strategy.num_replicas_in_sync
     strategies.check_batch(config.train.global_batch_size, replicas)
+    sync = _sync_ps(config, strategy)
+    straggler = _straggler(config, strategy)
+    # In sync mode a global batch is the examples of one update, over `sync` workers.
+    worker_batch = (strategies.check_batch(config.train.global_batch_size, sync,
+                                           "the workers each update waits for (workers - "
+                                           "ps.backup_workers)")
+                    if sync else config.train.global_batch_size)
     keras.utils.set_random_seed(config.train.seed)
     datasets = datasets or data.load(config.data, seed=config.train.seed)
     steps_per_epoch = len(datasets.train) // config.train.global_batch_size
@@ -79,6 +86,8 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     with strategy.scope():
         model = models.build(config.model.name, datasets.image_shape, datasets.num_classes,
                              dropout=config.model.dropout)
+        if straggler and not sync:
+            model = sync_ps.StragglingModel.wrap(model, straggler)
         model.compile(
             optimizer=_optimizer(config, steps_per_epoch),
             loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -110,19 +119,34 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     if config.eval.test_every_epoch:
         evaluations.append(callbacks.Evaluation(test_ds, evaluate, prefix="test_"))
     throughput = callbacks.Throughput(config.train.global_batch_size)
-    history = model.fit(
-        keras.utils.experimental.DatasetCreator(data.train_dataset_fn(
-            datasets.train, config.train.global_batch_size, seed=config.train.seed,
-            shuffle_buffer=config.data.shuffle_buffer,
-            augment_shift=config.data.augment_shift),
-            input_options=strategies.input_options(strategy)),
-        epochs=config.train.epochs,
-        steps_per_epoch=steps_per_epoch,
-        validation_data=None if coordinated else val_ds,
-        callbacks=callbacks.for_training(config, workdir, outdir, model, throughput,
-                                         evaluations),
-        verbose=_verbose(config.train.verbose),
-    )
+    train_fn = data.train_dataset_fn(
+        datasets.train, worker_batch, seed=config.train.seed,
+        shuffle_buffer=config.data.shuffle_buffer, augment_shift=config.data.augment_shift)
+    if straggler:  # it needs to know which worker reads the batch
+        train_fn = sync_ps.with_worker_id(train_fn)
+    run_callbacks = callbacks.for_training(config, workdir, outdir, model, throughput,
+                                           evaluations, resumable=not sync)
+    sync_figures = {}
+    if sync:
+        training = sync_ps.SyncTraining(
+            strategy, model, keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="none"),
+            num_workers=strategy._num_workers, backup_workers=config.ps.backup_workers,
+            straggler=straggler)
+        history, sync_figures = sync_ps.fit(training, train_fn, epochs=config.train.epochs,
+                                            steps_per_epoch=steps_per_epoch,
+                                            callbacks=run_callbacks,
+                                            verbose=_verbose(config.train.verbose))
+    else:
+        history = model.fit(
+            keras.utils.experimental.DatasetCreator(
+                train_fn, input_options=strategies.input_options(strategy)),
+            epochs=config.train.epochs,
+            steps_per_epoch=steps_per_epoch,
+            validation_data=None if coordinated else val_ds,
+            callbacks=run_callbacks,
+            verbose=_verbose(config.train.verbose),
+        )
 
     test = evaluate(test_ds)
     (evaluate.local_model if coordinated else model).save(outdir / "export", save_format="tf")
@@ -140,6 +164,8 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         "test_loss": float(test["loss"]),
         "num_test_examples": len(datasets.test),
         "train_examples_per_sec": throughput.examples_per_sec(),
+        "train_steps_per_sec": round(
+            throughput.examples_per_sec() / config.train.global_batch_size, 3),
         "wall_seconds": round(time.perf_counter() - start, 2),
         "model": config.model.name,
         "dataset": config.data.name,
@@ -153,11 +179,46 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         metrics["ps_bytes"] = ps_placement.ps_bytes
         metrics["ps_balance"] = ps_placement.balance
         metrics["ps_partitioner"] = config.ps.partitioner
+        metrics["mode"] = config.ps.mode
+        metrics["backup_workers"] = config.ps.backup_workers if sync else 0
+        metrics.update(sync_figures)  # contributions, pushed, stale_dropped
+    if straggler:
+        metrics["slow_worker"], metrics["slow_factor"] = straggler.worker, straggler.factor
     if writer:
         write_json(workdir / METRICS_FILE, metrics)  # the evaluator may be waiting for it
     else:
         shutil.rmtree(outdir, ignore_errors=True)
     return metrics
+
+
+def _sync_ps(config: Config, strategy: tf.distribute.Strategy) -> int:
+    """In ps.mode = sync, how many workers' gradients each update waits for; else 0."""
+    if config.ps.mode != "sync":
+        return 0
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        raise ConfigError(
+            "ps.mode = sync is parameter-server training and this run has no ps tasks "
+            f"({strategies.describe(strategy)}); give TF_CONFIG chief, worker and ps jobs, "
+            "or use ps.mode = async")
+    workers, backup = strategy._num_workers, config.ps.backup_workers
+    if backup >= workers:
+        raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
+                          f"workers ({workers}): each update needs at least one gradient")
+    return workers - backup
+
+
+def _straggler(config: Config, strategy: tf.distribute.Strategy) -> sync_ps.Straggler | None:
+    index = config.debug.slow_worker
+    if index < 0:
+        return None
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        raise ConfigError(
+            f"debug.slow_worker = {index} slows a worker of a parameter-server cluster, and "
+            f"this run has none ({strategies.describe(strategy)}); set it to -1")
+    if index >= strategy._num_workers:
+        raise ConfigError(f"debug.slow_worker = {index} is not a worker of this cluster "
+                          f"(0 to {strategy._num_workers - 1})")
+    return sync_ps.Straggler(index, config.debug.slow_factor)
 
 
 def peak_memory_mib() -> dict[str, float]:

@@ -4,9 +4,13 @@ The CPU is split into two logical devices before any test touches
 TensorFlow, so MirroredStrategy has two replicas to work with in-process.
 """
 
+import json
+
 import numpy as np
 import pytest
 
+from app import cluster as clusters
+from app import config as cfg
 from app import data, strategy
 
 strategy.split_cpu(2)
@@ -26,3 +30,21 @@ def tiny_split(n: int, seed: int = 0) -> data.Split:
 def tiny_datasets() -> data.Datasets:
     return data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
                          test=tiny_split(101, seed=2), num_classes=10)
+
+
+@pytest.fixture(scope="session")
+def ps_cluster() -> clusters.Cluster:
+    """A chief's view of 2 workers and 2 ps servers started in this process (tests
+    marked `cluster`: the servers and the connection stay until the process ends)."""
+    from launch import inprocess
+
+    spec = inprocess.cluster_spec(num_workers=2, num_ps=2)
+    inprocess.start_servers(spec)
+    return clusters.parse(json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+
+
+@pytest.fixture(scope="session")
+def ps_strategy(ps_cluster):
+    from app import parameter_server
+
+    return parameter_server.create(ps_cluster, cfg.PSConfig(), connect_timeout_s=30)

@@ -1,5 +1,6 @@
 """ParameterServerStrategy on a fake in-process cluster: 2 workers and 2 ps
-servers in this process, which is the chief (multi_worker_test_base's way).
+servers in this process, which is the chief (multi_worker_test_base's way;
+the `ps_cluster` fixture of conftest.py).
 
 TensorFlow's servers cannot be stopped and the chief's connection changes the
 process's devices for good, so these tests run in a pytest process of their
@@ -25,29 +26,17 @@ from launch import inprocess
 pytestmark = pytest.mark.cluster
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    spec = inprocess.cluster_spec(num_workers=2, num_ps=2)
-    inprocess.start_servers(spec)
-    return clusters.parse(json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
-
-
-@pytest.fixture(scope="module")
-def strategy(cluster):
-    return parameter_server.create(cluster, cfg.PSConfig(), connect_timeout_s=30)
-
-
 def config(*overrides: str) -> cfg.Config:
     return cfg.load(None, ["train.epochs=2", "train.global_batch_size=16", "train.verbose=0",
                            "eval.batch_size=32", *overrides])
 
 
 @pytest.fixture(scope="module")
-def trained(strategy, tmp_path_factory):
+def trained(ps_strategy, tmp_path_factory):
     datasets = data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
                              test=tiny_split(101, seed=2), num_classes=10)
     workdir = tmp_path_factory.mktemp("ps")
-    metrics = trainer.run(config(), workdir, strategy=strategy, datasets=datasets)
+    metrics = trainer.run(config(), workdir, strategy=ps_strategy, datasets=datasets)
     return metrics, workdir
 
 
@@ -71,8 +60,8 @@ def test_test_accuracy_is_exact_over_every_test_image(trained):
     assert metrics["test_accuracy"] == pytest.approx(expected, abs=1e-9)
 
 
-def test_variables_live_on_ps_and_the_big_kernel_is_sharded_over_both(strategy):
-    with strategy.scope():
+def test_variables_live_on_ps_and_the_big_kernel_is_sharded_over_both(ps_strategy):
+    with ps_strategy.scope():
         dense = keras.layers.Dense(1024)  # 3136 x 1024 floats: 12.25 MiB
         dense.build((None, 3136))
     kernel = dense.kernel
@@ -89,7 +78,7 @@ def test_placement_is_balanced_and_predicted_by_the_plan(trained):
     assert predicted.ps_bytes == metrics["ps_bytes"]
 
 
-def test_each_worker_reads_its_own_shard_of_the_data(strategy):
+def test_each_worker_reads_its_own_shard_of_the_data(ps_strategy):
     contexts = []
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
@@ -97,9 +86,9 @@ def test_each_worker_reads_its_own_shard_of_the_data(strategy):
         return tf.data.Dataset.range(10).shard(context.num_input_pipelines,
                                                context.input_pipeline_id).batch(10)
 
-    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(ps_strategy)
     per_worker = coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn))
+        lambda: ps_strategy.distribute_datasets_from_function(dataset_fn))
     assert sorted(contexts) == [(2, 0), (2, 1)]
 
     @tf.function

@@ -128,3 +128,20 @@ def test_cosine_decays_once_over_the_whole_run():
     assert float(lr(0)) == pytest.approx(0.01)
     assert float(lr(20)) == pytest.approx(0.01 * (0.1 + 0.9 * 0.5))
     assert float(lr(40)) == pytest.approx(0.001)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ps.mode=sync", "ps.mode = sync is parameter-server training and this run has no ps "
+                     "tasks (DefaultStrategy); give TF_CONFIG chief, worker and ps jobs, or "
+                     "use ps.mode = async"),
+    ("debug.slow_worker=0", "debug.slow_worker = 0 slows a worker of a parameter-server "
+                            "cluster, and this run has none (DefaultStrategy); set it to -1"),
+])
+def test_parameter_server_settings_without_ps_tasks_are_refused(override, message, tmp_path,
+                                                                 tiny_datasets):
+    config = cfg.load(None, [override, "train.epochs=1"])
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config, tmp_path, strategy=strategy.create("default"),
+                    datasets=tiny_datasets)
+    assert str(e.value) == message
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written

@@ -1,0 +1,226 @@
+"""Synchronous parameter-server training with backup workers (`ps.mode = "sync"`).
+
+TensorFlow 2's ParameterServerStrategy trains asynchronously only. This mode
+brings back TF1's `SyncReplicasOptimizer` on top of it, with backup workers
+(Chen et al., "Revisiting Distributed Synchronous SGD", 2016): each update
+waits for the first N = workers - backup_workers gradients computed on the
+current parameters and drops the rest, so a slow worker does not stall the
+others. Step k:
+
+- Workers run `contribute` (scheduled through the ClusterCoordinator, about
+  one in flight per worker): read the parameter version k, compute the
+  gradient of a batch of the worker's own shard, and push it, tagged k, into
+  one `ConditionalAccumulator` per variable on that variable's ps task.
+- The chief runs `_update`, whose ops are placed on the ps tasks: each
+  accumulator's `take_grad(N)` waits for N gradients tagged k, averages them
+  and moves on to k + 1, so a gradient tagged k that arrives later is dropped
+  by the accumulator itself; the optimizer applies the averages where the
+  variables live, then the version becomes k + 1. No gradient passes through
+  the chief.
+
+A "gate" accumulator on ps:0 counts, per worker, the contributions each update
+took; every worker also counts what it pushed. Pushed minus taken is what was
+dropped as stale. As in TF1, each accumulator takes the first N gradients *it*
+receives: when two workers push at nearly the same moment, two variables can
+average different workers' gradients for one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+# tf.data's sleep transformation is the one sleep TensorFlow can run inside a
+# remote function without burning a core (tf.data's own tests use it).
+from tensorflow.python.data.experimental.ops.testing import sleep as _sleep_transformation
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Straggler:
+    """Worker `worker` sleeps until each of its steps took `factor` times as long."""
+
+    worker: int
+    factor: float
+
+
+def straggle(values, is_slow: tf.Tensor, factor: float, started: tf.Tensor):
+    """`values`, once a slow worker has slept (factor - 1) times the time since `started`."""
+    values = tf.nest.flatten(values)
+
+    def wait():
+        with tf.control_dependencies(values):
+            seconds = (factor - 1.0) * (tf.timestamp() - started)
+        delay = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).apply(
+            _sleep_transformation(tf.cast(seconds * 1e6, tf.int64)))
+        return next(iter(delay))
+
+    done = tf.cond(is_slow, wait, lambda: tf.constant(0, tf.int64))
+    with tf.control_dependencies([done]):
+        return [tf.identity(v) for v in values]
+
+
+def with_worker_id(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]):
+    """`dataset_fn` whose batches also carry the index of the worker reading them."""
+    def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        worker = tf.constant(context.input_pipeline_id, tf.int32)
+        return dataset_fn(context).map(lambda images, labels: (images, labels, worker))
+    return fn
+
+
+class StragglingModel(keras.Model):
+    """A functional model whose train step lets one worker straggle: `debug.slow_worker`
+    in asynchronous runs. Its batches carry the worker index (`with_worker_id`)."""
+
+    straggler: Straggler
+
+    @classmethod
+    def wrap(cls, model: keras.Model, straggler: Straggler) -> StragglingModel:
+        wrapped = cls(inputs=model.inputs, outputs=model.outputs, name=model.name)
+        wrapped.straggler = straggler
+        return wrapped
+
+    def train_step(self, data):
+        # Keras' own train step, with the straggler's sleep before the update.
+        images, labels, worker = data
+        started = tf.timestamp()
+        with tf.GradientTape() as tape:
+            logits = self(images, training=True)
+            loss = self.compute_loss(images, labels, logits)
+        grads = tape.gradient(loss, self.trainable_variables)
+        grads = straggle(grads, worker == self.straggler.worker, self.straggler.factor, started)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
+        return self.compute_metrics(images, labels, logits, None)
+
+
+class SyncTraining:
+    """The accumulators, the version counter and the two functions of a sync run."""
+
+    def __init__(self, strategy: tf.distribute.ParameterServerStrategy, model: keras.Model,
+                 loss_fn: keras.losses.Loss, num_workers: int, backup_workers: int,
+                 straggler: Straggler | None = None):
+        self.model, self.loss_fn, self.straggler = model, loss_fn, straggler
+        self.num_workers, self.required = num_workers, num_workers - backup_workers
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self.variables = model.trainable_variables
+        ps0 = self.variables[0].device
+        # Accumulators live on the ps tasks under their shared names; a fresh suffix keeps
+        # a new run from joining an earlier run's (on servers that outlived it).
+        run = uuid.uuid4().hex[:12]
+        with tf.device(ps0):
+            # The parameters' version: the number of updates applied.
+            self.version = tf.Variable(0, dtype=tf.int64, trainable=False, name="sync_version")
+            self.pushed = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
+                                      name="sync_pushed")
+            self.gate = tf.compat.v1.ConditionalAccumulator(
+                tf.float32, shape=[num_workers], reduction_type="SUM",
+                shared_name=f"sync_gate_{run}")
+        self.accumulators = []
+        for i, var in enumerate(self.variables):
+            with tf.device(var.device):
+                self.accumulators.append(tf.compat.v1.ConditionalAccumulator(
+                    var.dtype, shape=var.shape, shared_name=f"sync_grad_{i}_{run}"))
+        self.contribute = tf.function(self._contribute)
+        self.update = tf.function(self._update)
+
+    def _contribute(self, iterator) -> tf.Tensor:
+        """On a worker: one gradient of the current parameters, pushed to the accumulators."""
+        images, labels, worker = next(iterator)
+        started = tf.timestamp()
+        step = self.version.read_value()
+        with tf.control_dependencies([step]), tf.GradientTape() as tape:
+            logits = self.model(images, training=True)
+            loss = tf.reduce_mean(self.loss_fn(labels, logits))
+            if self.model.losses:  # regularizers
+                loss += tf.add_n(self.model.losses)
+        grads = tape.gradient(loss, self.variables)
+        if self.straggler:
+            grads = straggle(grads, worker == self.straggler.worker, self.straggler.factor,
+                             started)
+        pushes = [acc.apply_grad(tf.convert_to_tensor(g), local_step=step)
+                  for acc, g in zip(self.accumulators, grads, strict=True)]
+        mine = tf.one_hot(worker, self.num_workers)
+        # Counted as pushed before the gate lets the update go: when `fit` reads
+        # `pushed` after an update, every contribution that update took is in it.
+        with tf.control_dependencies(pushes):
+            counted = self.pushed.assign_add(tf.cast(mine, tf.int64))
+        with tf.control_dependencies([counted]):
+            gated = self.gate.apply_grad(mine, local_step=step)
+        with tf.control_dependencies([gated]):
+            return tf.identity(loss)
+
+    def wait_for_gradients(self, poll_s: float = 0.001) -> None:
+        """Return once the current version has the gradients its update needs.
+
+        The update's `take_grad` would wait by itself, but blocking on a ps task
+        from the chief stalls that task's requests from the workers in a
+        multi-process cluster (the pushes it waits for), so the chief polls.
+        """
+        while int(self.gate.num_accumulated()) < self.required:
+            time.sleep(poll_s)
+
+    def _update(self) -> tf.Tensor:
+        """On the ps tasks, driven by the chief: apply the mean of the first N gradients."""
+        grads = [acc.take_grad(self.required) for acc in self.accumulators]
+        taken = self.gate.take_grad(self.required)
+        optimizer = self.model.optimizer
+        optimizer.apply_gradients(zip(grads, self.variables, strict=True),
+                                  skip_gradients_aggregation=True)
+        with tf.control_dependencies([optimizer.iterations]):
+            self.version.assign_add(1)
+        return taken
+
+
+def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int,
+        callbacks: list[keras.callbacks.Callback], verbose: str | int = 0,
+        ) -> tuple[keras.callbacks.History, dict]:
+    """Train `epochs` x `steps_per_epoch` synchronous updates; Keras callbacks (and
+    its progress bar, by `verbose` as in fit()) run as in fit().
+
+    Returns the history and the sync figures of metrics.json.
+    """
+    if verbose == "auto":
+        verbose = 2  # one line per epoch, as fit() does under a coordinator
+    coordinator = training.coordinator
+    strategy = coordinator.strategy
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(with_worker_id(dataset_fn))))
+    history = keras.callbacks.History()
+    callback_list = keras.callbacks.CallbackList(
+        [*callbacks, history], add_progbar=verbose != 0, model=training.model, epochs=epochs,
+        steps=steps_per_epoch, verbose=verbose)
+    taken = np.zeros(training.num_workers)
+    scheduled = 0
+    callback_list.on_train_begin()
+    for epoch in range(epochs):
+        callback_list.on_epoch_begin(epoch)
+        losses = []
+        for step in range(steps_per_epoch):
+            callback_list.on_train_batch_begin(step)
+            # Keep one contribution in flight per worker: the ones still running
+            # (a straggler's) count, so the queue never grows.
+            running = scheduled - int(training.pushed.numpy().sum())
+            for _ in range(training.num_workers - running):
+                losses.append(coordinator.schedule(training.contribute, args=(iterator,)))
+                scheduled += 1
+            training.wait_for_gradients()
+            taken += training.update().numpy()
+            callback_list.on_train_batch_end(step, {})
+        logs = {"loss": float(np.mean([loss.fetch() for loss in losses]))}
+        callback_list.on_epoch_end(epoch, logs)
+    coordinator.join()  # the contributions still running end as dropped
+    callback_list.on_train_end()
+    pushed = training.pushed.numpy()
+    return history, {
+        "contributions": [int(t) for t in taken],
+        "pushed": [int(p) for p in pushed],
+        "stale_dropped": int(pushed.sum() - taken.sum()),
+    }

@@ -1,0 +1,128 @@
+"""Synchronous parameter-server training (ps.mode = sync) on the in-process
+cluster of conftest.py: 2 workers, 2 ps, this process the chief."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+from conftest import tiny_split
+
+from app import config as cfg
+from app import data, sync_ps, trainer
+
+pytestmark = pytest.mark.cluster
+
+FEATURES, BATCH = 6, 4
+
+
+def _examples(n: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    return (rng.normal(size=(n, FEATURES)).astype(np.float32),
+            rng.integers(0, 3, n).astype(np.int64))
+
+
+def _in_order(context: tf.distribute.InputContext) -> tf.data.Dataset:
+    """Worker i's k-th batch is rows [BATCH*k, BATCH*(k+1)) of shard i: no shuffling."""
+    images, labels = _examples()
+    return (tf.data.Dataset.from_tensor_slices((images, labels))
+            .shard(context.num_input_pipelines, context.input_pipeline_id)
+            .batch(BATCH).repeat())
+
+
+def _model() -> keras.Model:
+    model = keras.Sequential([keras.layers.Dense(3, input_shape=(FEATURES,))])
+    model.compile(optimizer=keras.optimizers.SGD(0.5))
+    model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def _train(strategy, backup_workers: int, steps: int, straggler=None):
+    keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = _model()
+    training = sync_ps.SyncTraining(
+        strategy, model, keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True, reduction="none"),
+        num_workers=2, backup_workers=backup_workers, straggler=straggler)
+    _, figures = sync_ps.fit(training, _in_order, epochs=1, steps_per_epoch=steps,
+                             callbacks=[])
+    return model, figures
+
+
+def test_sync_without_backups_equals_one_process_taking_the_averaged_steps(ps_strategy):
+    model, figures = _train(ps_strategy, backup_workers=0, steps=6)
+    assert figures == {"contributions": [6, 6], "pushed": [6, 6], "stale_dropped": 0}
+
+    keras.utils.set_random_seed(1)
+    reference = _model()  # same seed: same initial weights
+    images, labels = _examples()
+    shards = [(images[i::2], labels[i::2]) for i in range(2)]
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    for k in range(6):
+        rows = slice(BATCH * k, BATCH * (k + 1))
+        with tf.GradientTape() as tape:
+            # The mean of the two workers' mean losses: the mean of their gradients.
+            value = tf.add_n([loss(y[rows], reference(x[rows])) for x, y in shards]) / 2
+        grads = tape.gradient(value, reference.trainable_variables)
+        reference.optimizer.apply_gradients(zip(grads, reference.trainable_variables, strict=True))
+    for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations.numpy()) == 6
+
+
+def test_with_a_backup_worker_updates_never_wait_for_the_straggler(ps_strategy):
+    steps = 12
+    _, figures = _train(ps_strategy, backup_workers=1, steps=steps,
+                        straggler=sync_ps.Straggler(worker=1, factor=20.0))
+    # Each update took the first gradient of its version: always the fast worker's.
+    # The straggler's, computed on parameters that had moved on, were all dropped.
+    assert figures["contributions"] == [steps, 0]
+    assert figures["pushed"][0] == steps
+    assert figures["stale_dropped"] == figures["pushed"][1] >= 1
+
+
+def _config(*overrides: str) -> cfg.Config:
+    return cfg.load(None, ["train.epochs=2", "train.global_batch_size=16", "train.verbose=0",
+                           "eval.batch_size=32", "ps.mode=sync", *overrides])
+
+
+def test_sync_run_reports_its_mode_and_contributions(ps_strategy, tiny_datasets, tmp_path):
+    metrics = trainer.run(_config(), tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+    steps = 2 * 512 // 16
+    assert (metrics["mode"], metrics["backup_workers"], metrics["steps"]) == ("sync", 0, steps)
+    assert metrics["contributions"] == [steps, steps] and metrics["stale_dropped"] == 0
+    assert metrics["test_accuracy"] > 0.3  # learnable bars, far above chance
+    assert [h["epoch"] for h in metrics["history"]] == [1, 2]
+    assert (tmp_path / "checkpoints" / "ckpt-2.index").exists()
+    assert (tmp_path / "export" / "saved_model.pb").exists()
+
+
+def test_async_run_with_a_straggler(ps_strategy, tiny_datasets, tmp_path):
+    config = _config("ps.mode=async", "debug.slow_worker=1", "debug.slow_factor=2")
+    metrics = trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+    assert (metrics["mode"], metrics["slow_worker"], metrics["slow_factor"]) == ("async", 1, 2.0)
+    assert metrics["steps"] == 2 * 512 // 16
+    assert "contributions" not in metrics
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["ps.backup_workers=2"], "ps.backup_workers = 2 must be less than the number of "
+                              "workers (2): each update needs at least one gradient"),
+    (["ps.backup_workers=1", "train.global_batch_size=15"], None),
+    (["train.global_batch_size=15"], "train.global_batch_size (15) must be divisible by the "
+                                     "workers each update waits for (workers - "
+                                     "ps.backup_workers) (2); use 14 or 16"),
+    (["debug.slow_worker=2"], "debug.slow_worker = 2 is not a worker of this cluster (0 to 1)"),
+])
+def test_sync_settings_are_checked_against_the_cluster(ps_strategy, tmp_path, overrides,
+                                                       message):
+    datasets = data.Datasets(train=tiny_split(60), validation=None, test=tiny_split(10),
+                             num_classes=10)
+    config = _config("train.epochs=1", *overrides)
+    if message is None:  # one worker's gradient per update: any batch divides
+        assert trainer.run(config, tmp_path, strategy=ps_strategy,
+                           datasets=datasets)["backup_workers"] == 1
+        return
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config, tmp_path, strategy=ps_strategy, datasets=datasets)
+    assert str(e.value) == message
