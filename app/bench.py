@@ -59,6 +59,12 @@ def _switch(setting: str, note: str = "") -> Row:
     return Row(f"baseline + {setting}{note}", (*_BASELINE, *_sets(setting)))
 
 
+# The straggler rows: 3 workers, worker 2 three times as slow, on real MNIST so
+# that their test accuracy means something. Their global batch (96) divides over
+# the 3 or 2 workers a sync update waits for; each row sees the same examples.
+_STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_size=96",
+              "data.name=mnist", "data.validation_examples=0", "data.test_examples=0")
+
 # The settings every row starts from; rows and --set may change them.
 PLAIN = ("runtime.onednn=false", "train.precision=float32", "train.jit_compile=false",
          "train.steps_per_execution=1")
@@ -77,7 +83,14 @@ ROWS: dict[str, Row] = {
     "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
+    "straggler_async": Row("ParameterServer async, 3 workers + 1 ps, worker 2 slowed 3x",
+                           _ps(3, 1, *_STRAGGLER)),
+    "straggler_sync_b0": Row("the same, ps.mode=sync, no backup worker",
+                             _ps(3, 1, *_STRAGGLER, "ps.mode=sync")),
+    "straggler_sync_b1": Row("the same, ps.mode=sync, 1 backup worker",
+                             _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
 }
+STRAGGLER_ROWS = ("straggler_async", "straggler_sync_b0", "straggler_sync_b1")
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "onednn", "spe8", "xla", "mirrored_1dev", "mirrored_2dev", "mwms_2w",
                 "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
@@ -184,9 +197,14 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "what": ROWS[row].what,
             "examples_per_sec": statistics.median(samples),
             "samples": samples,
+            "steps_per_sec": statistics.median(m.get("train_steps_per_sec", 0) for m in metrics),
+            "test_accuracy": statistics.median(m.get("test_accuracy", 0) for m in metrics),
             "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
             "num_replicas": metrics[0]["num_replicas"],
         }
+        for key in ("mode", "backup_workers", "stale_dropped", "contributions"):
+            if key in metrics[0]:
+                results[row][key] = metrics[0][key]
         if "ps_bytes" in metrics[0]:
             results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
             results[row]["ps_balance"] = metrics[0]["ps_balance"]
@@ -198,13 +216,16 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 
 def table(results: dict[str, dict]) -> str:
     width = max(len(row) for row in results)
-    lines = [f"{'row':<{width}}  examples/s  ratio  peak MiB  ps MiB (balance)",
-             f"{'-' * width}  ----------  -----  --------  ----------------"]
+    lines = [f"{'row':<{width}}  examples/s  ratio  steps/s  test acc  peak MiB  "
+             "ps MiB (balance)",
+             f"{'-' * width}  ----------  -----  -------  --------  --------  "
+             "----------------"]
     for row, r in results.items():
         ps = ""
         if "ps_bytes" in r:
             ps = " / ".join(f"{b / 2**20:.1f}" for b in r["ps_bytes"]) + f" ({r['ps_balance']})"
         lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}  "
+                     f"{r['steps_per_sec']:>7.2f}  {r['test_accuracy']:>8.4f}  "
                      f"{r['peak_memory_mib']:>8.0f}  {ps}")
     return "\n".join(lines)
 

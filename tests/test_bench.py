@@ -54,6 +54,7 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
     assert results["ps_2w2p"]["peak_memory_mib"] == 3100
     assert results["ps_2w2p"]["ps_bytes"] == [100, 120] and "ps_bytes" not in results["baseline"]
     assert "ps_2w2p" in bench.table(results) and "100" not in bench.table(results).split("\n")[2]
+    assert results["baseline"]["steps_per_sec"] == 0  # not in these runs: shown as 0
 
 
 def test_tree_memory_counts_child_processes():
