@@ -97,12 +97,13 @@ def test_sync_run_reports_its_mode_and_contributions(ps_strategy, tiny_datasets,
     assert (tmp_path / "export" / "saved_model.pb").exists()
 
 
-def test_async_run_with_a_straggler(ps_strategy, tiny_datasets, tmp_path):
-    config = _config("ps.mode=async", "debug.slow_worker=1", "debug.slow_factor=2")
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_run_with_a_straggler(mode, ps_strategy, tiny_datasets, tmp_path):
+    config = _config(f"ps.mode={mode}", "debug.slow_worker=1", "debug.slow_factor=2")
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
-    assert (metrics["mode"], metrics["slow_worker"], metrics["slow_factor"]) == ("async", 1, 2.0)
+    assert (metrics["mode"], metrics["slow_worker"], metrics["slow_factor"]) == (mode, 1, 2.0)
     assert metrics["steps"] == 2 * 512 // 16
-    assert "contributions" not in metrics
+    assert ("contributions" in metrics) == (mode == "sync")
 
 
 @pytest.mark.parametrize("overrides, message", [
