@@ -90,7 +90,6 @@ ROWS: dict[str, Row] = {
     "straggler_sync_b1": Row("the same, ps.mode=sync, 1 backup worker",
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
 }
-STRAGGLER_ROWS = ("straggler_async", "straggler_sync_b0", "straggler_sync_b1")
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "onednn", "spe8", "xla", "mirrored_1dev", "mirrored_2dev", "mwms_2w",
                 "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")

@@ -28,7 +28,6 @@ average different workers' gradients for one step.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -40,8 +39,6 @@ import tf_keras as keras
 # tf.data's sleep transformation is the one sleep TensorFlow can run inside a
 # remote function without burning a core (tf.data's own tests use it).
 from tensorflow.python.data.experimental.ops.testing import sleep as _sleep_transformation
-
-log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -149,6 +149,7 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         )
 
     test = evaluate(test_ds)
+    examples_per_sec = throughput.examples_per_sec()
     (evaluate.local_model if coordinated else model).save(outdir / "export", save_format="tf")
     if multi_worker:  # the same on every worker, if synchronous training kept its promise
         log.info("weights sha256 %s", weights_digest(model))
@@ -163,9 +164,8 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         "test_accuracy": float(test["accuracy"]),
         "test_loss": float(test["loss"]),
         "num_test_examples": len(datasets.test),
-        "train_examples_per_sec": throughput.examples_per_sec(),
-        "train_steps_per_sec": round(
-            throughput.examples_per_sec() / config.train.global_batch_size, 3),
+        "train_examples_per_sec": examples_per_sec,
+        "train_steps_per_sec": round(examples_per_sec / config.train.global_batch_size, 3),
         "wall_seconds": round(time.perf_counter() - start, 2),
         "model": config.model.name,
         "dataset": config.data.name,

@@ -54,6 +54,7 @@ def has_backup(path: pathlib.Path) -> bool:
     backup = path / BACKUP_DIR
     return backup.is_dir() and any(p.is_file() for p in backup.rglob("*"))
 
+
 def write_text(path: pathlib.Path, text: str) -> None:
     """Write `text` to `path` atomically: a reader sees the old file or the new one, never a
     truncated one."""
