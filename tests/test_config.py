@@ -39,6 +39,10 @@ def test_round_trip_through_written_toml(tmp_path):
     ("data.name=imagenet", "data.name = 'imagenet' is not one of mnist, synthetic, tfds:<name>"),
     ("runtime.strategy=tpu", "runtime.strategy = 'tpu' is not one of auto, default, mirrored"),
     ("epochs", "--set 'epochs': expected key=value, e.g. --set train.epochs=3"),
+    ("ps.mode=semi", "ps.mode = 'semi' is not one of async, sync"),
+    ("ps.backup_workers=-1", "ps.backup_workers = -1 must be >= 0"),
+    ("debug.slow_worker=-2", "debug.slow_worker = -2 must be a worker index, or -1 for none"),
+    ("debug.slow_factor=0.5", "debug.slow_factor = 0.5 must be >= 1"),
 ])
 def test_bad_overrides_name_the_field_and_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:
