@@ -36,6 +36,13 @@ class DataConfig:
     shuffle_buffer: int = 60000
     # Random translation of up to this many pixels in each direction (0 = off).
     augment_shift: int = 0
+    # How the training data is split over the input pipelines (one per worker),
+    # as tf.data's AutoShardPolicy names it. "auto": every source here is read
+    # into memory, so "data". "data": pipeline i of n takes examples i, i+n, ...
+    # (disjoint, together the whole set). "off": every pipeline reads the whole
+    # set, each in its own shuffled order. ("file" needs a source stored as at
+    # least one file per worker, which none of these sources is.)
+    shard_policy: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +170,7 @@ class Config:
 
 
 _CHOICES = {
+    "data.shard_policy": ("auto", "data", "off"),
     "model.name": ("cnn", "mlp"),
     "train.optimizer": ("adam", "sgd"),
     "train.lr_schedule": ("cosine", "cosine_restarts", "constant"),
@@ -222,6 +230,11 @@ def to_toml(config: Config) -> str:
 def validate(config: Config) -> None:
     """Checks that need no cluster; the batch/replica check lives with the strategy."""
     flat = flatten(config)
+    if config.data.shard_policy == "file":
+        raise ConfigError(
+            f"data.shard_policy = 'file' needs a source stored as at least one file per "
+            f"worker, but data.name = {config.data.name!r} is read into memory; use auto "
+            "(data), data or off")
     for key, allowed in _CHOICES.items():
         if flat[key] not in allowed:
             raise ConfigError(f"{key} = {flat[key]!r} is not one of {', '.join(allowed)}")

@@ -135,14 +135,20 @@ def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> 
 
 def train_dataset_fn(split: Split, global_batch_size: int, *, seed: int = 0,
                      shuffle_buffer: int = 60000, augment_shift: int = 0,
+                     shard_policy: str = "auto",
                      ) -> Callable[[tf.distribute.InputContext], tf.data.Dataset]:
-    """A `dataset_fn(input_context)` for training: sharded, shuffled, repeated, batched."""
+    """A `dataset_fn(input_context)` for training: sharded, shuffled, repeated, batched.
+
+    `shard_policy` (DataConfig.shard_policy): "auto" or "data" give each input
+    pipeline a disjoint shard; "off" gives every pipeline the whole set.
+    """
 
     def dataset_fn(input_context: tf.distribute.InputContext) -> tf.data.Dataset:
         batch = input_context.get_per_replica_batch_size(global_batch_size)
         ds = tf.data.Dataset.from_tensor_slices((split.images, split.labels))
-        # Shard before shuffling, so each input pipeline owns a fixed, disjoint part.
-        ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        if shard_policy != "off":
+            # Shard before shuffling, so each input pipeline owns a fixed, disjoint part.
+            ds = ds.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
         if shuffle_buffer:
             ds = ds.shuffle(shuffle_buffer, seed=seed + input_context.input_pipeline_id,
                             reshuffle_each_iteration=True)

@@ -121,7 +121,8 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     throughput = callbacks.Throughput(config.train.global_batch_size)
     train_fn = data.train_dataset_fn(
         datasets.train, worker_batch, seed=config.train.seed,
-        shuffle_buffer=config.data.shuffle_buffer, augment_shift=config.data.augment_shift)
+        shuffle_buffer=config.data.shuffle_buffer, augment_shift=config.data.augment_shift,
+        shard_policy=config.data.shard_policy)
     if straggler and not sync:  # its train step needs to know which worker reads the batch
         train_fn = sync_ps.with_worker_id(train_fn)  # (sync_ps.fit adds it for sync runs)
     run_callbacks = callbacks.for_training(config, workdir, outdir, model, throughput,

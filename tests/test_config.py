@@ -43,6 +43,9 @@ def test_round_trip_through_written_toml(tmp_path):
     ("ps.backup_workers=-1", "ps.backup_workers = -1 must be >= 0"),
     ("debug.slow_worker=-2", "debug.slow_worker = -2 must be a worker index, or -1 for none"),
     ("debug.slow_factor=0.5", "debug.slow_factor = 0.5 must be >= 1"),
+    ("data.shard_policy=file", "data.shard_policy = 'file' needs a source stored as at least one "
+                               "file per worker, but data.name = 'mnist' is read into memory"),
+    ("data.shard_policy=hint", "data.shard_policy = 'hint' is not one of auto, data, off"),
 ])
 def test_bad_overrides_name_the_field_and_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:

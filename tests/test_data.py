@@ -49,6 +49,15 @@ def test_input_pipelines_read_disjoint_shards_that_cover_the_data():
     assert len(set().union(*seen)) >= n - pipelines * 2  # drop_remainder leaves < 1 batch each
 
 
+def test_shard_policy_off_gives_every_pipeline_the_whole_set():
+    n = 30
+    for pid in range(2):
+        fn = data.train_dataset_fn(ids_split(n), global_batch_size=2, shuffle_buffer=0,
+                                   shard_policy="off")
+        labels = [int(v) for _, y in fn(context(2, pid, replicas=2)).take(n) for v in y.numpy()]
+        assert labels == list(range(n))
+
+
 def test_random_shift_moves_whole_images_within_bounds():
     images = np.zeros((64, 28, 28, 1), np.float32)
     images[:, 10:18, 10:18, 0] = 1.0
