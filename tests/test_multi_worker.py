@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 
+import portpicker
 import pytest
 
 from tests.launching import kill_on_line
@@ -56,3 +57,39 @@ def test_a_killed_worker_is_relaunched_and_resumes_from_the_backup(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["epochs_completed"] == 3
 
+
+
+# Each worker builds the project's strategy from TF_CONFIG and reads two global
+# batches of examples numbered 0..99 through the input path fit() uses.
+READ_SHARD = """
+import json, numpy as np, tensorflow as tf
+from app import cluster, data, strategy
+s = strategy.create("auto", cluster.read())
+images = np.zeros((100, 28, 28, 1), np.uint8)
+split = data.Split(images, np.arange(100, dtype=np.int64))
+fn = data.train_dataset_fn(split, global_batch_size=10, shuffle_buffer=0)
+options = strategy.input_options(s)
+it = iter(s.distribute_datasets_from_function(fn, options))
+ids = [int(v) for _ in range(2) for y in s.experimental_local_results(next(it)[1]) for v in y]
+print("IDS", json.dumps({"ids": ids, "plain": options is not None}))
+"""
+
+
+def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
+    ports = [portpicker.pick_unused_port() for _ in range(2)]
+    workers = [f"localhost:{p}" for p in ports]
+    procs = []
+    for i in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+        procs.append(subprocess.Popen([sys.executable, "-c", READ_SHARD], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+    read = []
+    for p, output in zip(procs, outputs):
+        assert p.returncode == 0, output[-3000:]
+        read.append(json.loads(output.split("IDS ", 1)[1]))
+    assert all(r["plain"] for r in read)  # one CPU replica per worker: PER_REPLICA input
+    # Batches of 5 (10 over 2 replicas); worker i reads examples i, i + 2, ...
+    assert read[0]["ids"] == list(range(0, 20, 2))
+    assert read[1]["ids"] == list(range(1, 20, 2))
