@@ -156,12 +156,11 @@ def input_options(strategy: tf.distribute.Strategy) -> tf.distribute.InputOption
     TensorFlow's default, which overlaps the copy with the step. So do
     multi-worker runs with several replicas per worker.
     """
-    devices = strategy.extended.worker_devices
-    if type(strategy) is MultiWorkerMirroredStrategy:
-        if len(devices) != 1:
-            return None  # several replicas per worker: TensorFlow's way (see the class)
-    elif type(strategy) is not tf.distribute.MirroredStrategy:
+    if type(strategy) not in (tf.distribute.MirroredStrategy, MultiWorkerMirroredStrategy):
         return None
+    devices = strategy.extended.worker_devices
+    if type(strategy) is MultiWorkerMirroredStrategy and len(devices) != 1:
+        return None  # several replicas per worker: TensorFlow's way (see the class)
     if not all(tf.DeviceSpec.from_string(d).device_type == "CPU" for d in devices):
         return None
     return tf.distribute.InputOptions(
