@@ -139,6 +139,10 @@ class SyncConfig:
     # MultiWorkerMirroredStrategy's all-reduce: "auto" lets TensorFlow pick,
     # "ring" (gRPC, CPU or GPU) or "nccl" (GPUs only).
     collective: str = "auto"
+    # "fp16": each all-reduce sends the gradients as float16 (Horovod's
+    # Compression.fp16, PyTorch DDP's fp16_compress_hook): half the bytes, the
+    # sum cast back to float32 before the update. "none": float32 all the way.
+    compression: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +183,7 @@ _CHOICES = {
     "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
     "ps.mode": ("async", "sync"),
     "sync.collective": ("auto", "ring", "nccl"),
+    "sync.compression": ("none", "fp16"),
     "runtime.strategy": (
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
 }

@@ -64,6 +64,7 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     outdir = workdir if writer else pathlib.Path(tempfile.mkdtemp(prefix="worker-outputs-"))
     replicas = strategy.num_replicas_in_sync
     strategies.check_batch(config.train.global_batch_size, replicas)
+    _check_compression(config, strategy)
     sync = _sync_ps(config, strategy)
     straggler = _straggler(config, strategy)
     # In sync mode a global batch is the examples of one update, over `sync` workers.
@@ -192,6 +193,15 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     return metrics
 
 
+def _check_compression(config: Config, strategy: tf.distribute.Strategy) -> None:
+    if config.sync.compression != "none" and not isinstance(
+            strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)):
+        raise ConfigError(
+            f"sync.compression = {config.sync.compression} compresses the all-reduce of "
+            f"MultiWorkerMirrored and Mirrored runs, and this run has none "
+            f"({strategies.describe(strategy)}); set it to none")
+
+
 def _sync_ps(config: Config, strategy: tf.distribute.Strategy) -> int:
     """In ps.mode = sync, how many workers' gradients each update waits for; else 0."""
     if config.ps.mode != "sync":
@@ -293,8 +303,12 @@ def summary_line(metrics: dict[str, Any]) -> str:
 def _optimizer(config: Config, steps_per_epoch: int) -> keras.optimizers.Optimizer:
     lr = learning_rate(config, steps_per_epoch)
     if config.train.optimizer == "adam":
-        return keras.optimizers.Adam(lr)
-    return keras.optimizers.SGD(lr, momentum=0.9)
+        kind, kwargs = keras.optimizers.Adam, {}
+    else:
+        kind, kwargs = keras.optimizers.SGD, {"momentum": 0.9}
+    if config.sync.compression == "fp16":
+        kind = strategies.fp16_all_reduce(kind)
+    return kind(lr, **kwargs)
 
 
 def learning_rate(config: Config, steps_per_epoch: int

@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from app import cluster as clusters
 from app import config as cfg
@@ -48,3 +49,15 @@ def ps_strategy(ps_cluster):
     from app import parameter_server
 
     return parameter_server.create(ps_cluster, cfg.PSConfig(), connect_timeout_s=30)
+
+
+def one_device_reduction_mirrored() -> tf.distribute.MirroredStrategy:
+    """MirroredStrategy over the 2 logical CPUs that sums without collective ops.
+
+    In-process collectives are keyed by instance numbers that every new strategy
+    counts from the same start; a test whose all-reduce carries float16 would
+    leave later strategies' float32 all-reduces failing on a type mismatch.
+    """
+    devices = [d.name for d in tf.config.list_logical_devices("CPU")]
+    return tf.distribute.MirroredStrategy(devices,
+                                          cross_device_ops=tf.distribute.ReductionToOneDevice())

@@ -86,7 +86,7 @@ def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
     read = []
-    for p, output in zip(procs, outputs):
+    for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
         read.append(json.loads(output.split("IDS ", 1)[1]))
     assert all(r["plain"] for r in read)  # one CPU replica per worker: PER_REPLICA input

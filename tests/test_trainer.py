@@ -8,6 +8,7 @@ import tf_keras as keras
 
 from app import callbacks, strategy, trainer
 from app import config as cfg
+from tests.conftest import one_device_reduction_mirrored
 
 FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_size",
           "epochs_completed", "steps", "test_accuracy", "test_loss",
@@ -128,6 +129,27 @@ def test_cosine_decays_once_over_the_whole_run():
     assert float(lr(0)) == pytest.approx(0.01)
     assert float(lr(20)) == pytest.approx(0.01 * (0.1 + 0.9 * 0.5))
     assert float(lr(40)) == pytest.approx(0.001)
+
+
+def test_compression_without_an_all_reduce_is_refused(tmp_path, tiny_datasets):
+    config = cfg.load(None, ["sync.compression=fp16", "train.epochs=1"])
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config, tmp_path, strategy=strategy.create("default"), datasets=tiny_datasets)
+    assert str(e.value) == ("sync.compression = fp16 compresses the all-reduce of "
+                            "MultiWorkerMirrored and Mirrored runs, and this run has none "
+                            "(DefaultStrategy); set it to none")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_fp16_compressed_run_learns_and_exports_a_loadable_model(tmp_path, tiny_datasets):
+    config = cfg.load(None, ["sync.compression=fp16", "train.epochs=2",
+                             "train.learning_rate=0.003", "eval.batch_size=20"])
+    metrics = trainer.run(config, tmp_path, strategy=one_device_reduction_mirrored(),
+                          datasets=tiny_datasets)
+    losses = [epoch["loss"] for epoch in metrics["history"]]
+    assert losses[-1] < losses[0]
+    model = keras.models.load_model(tmp_path / "export")
+    assert model.predict(tiny_datasets.test.images[:4] / 255.0, verbose=0).shape == (4, 10)
 
 
 @pytest.mark.parametrize("override, message", [
