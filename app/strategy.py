@@ -124,12 +124,13 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     TensorFlow feeds each worker's replicas through a MultiDeviceIterator: the
     collective strategy refuses the `PER_REPLICA` input mode that avoids it
     (only MirroredStrategy takes it). With one replica per worker on its own
-    CPU that iterator copies nothing, yet it made the 2-worker CNN step on a
-    2-core host about 1.6x as slow. When the replica is its worker's only one,
-    the replica's input *is* the worker's input, so `PER_REPLICA` feeds exactly
-    what `PER_WORKER` does: for that case this class calls TensorFlow's own
-    `PER_REPLICA` path with the worker's input context (`input_options` asks
-    for it), and leaves every other case to TensorFlow.
+    CPU that iterator copies nothing, yet it made 2-worker CNN training on a
+    2-core host about 1.8x as slow (README: Performance). When the replica is
+    its worker's only one, the replica's input *is* the worker's input, so
+    `PER_REPLICA` feeds exactly what `PER_WORKER` does: for that case this
+    class calls TensorFlow's own `PER_REPLICA` path with the worker's input
+    context (`input_options` asks for it), and leaves every other case to
+    TensorFlow.
     """
 
     def distribute_datasets_from_function(self, dataset_fn, options=None):
