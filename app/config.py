@@ -237,7 +237,7 @@ def validate(config: Config) -> None:
     flat = flatten(config)
     if config.data.shard_policy == "file":
         raise ConfigError(
-            f"data.shard_policy = 'file' needs a source stored as at least one file per "
+            "data.shard_policy = 'file' needs a source stored as at least one file per "
             f"worker, but data.name = {config.data.name!r} is read into memory; use auto "
             "(data), data or off")
     for key, allowed in _CHOICES.items():

@@ -198,7 +198,7 @@ def _check_compression(config: Config, strategy: tf.distribute.Strategy) -> None
             strategy, (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)):
         raise ConfigError(
             f"sync.compression = {config.sync.compression} compresses the all-reduce of "
-            f"MultiWorkerMirrored and Mirrored runs, and this run has none "
+            "MultiWorkerMirrored and Mirrored runs, and this run has none "
             f"({strategies.describe(strategy)}); set it to none")
 
 
