@@ -101,8 +101,8 @@ class RuntimeConfig:
     gpu_device_memory_mib: int = 4096
     # oneDNN kernels for CPU ops. TensorFlow turns them on by itself only on
     # CPUs with AVX-512 and newer; on the 2-core AVX2 machine of README:
-    # Performance they trained the CNN 1.4x and 1.6x as fast in two runs. Set before TF starts
-    # (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
+    # Performance they trained the CNN 1.4x and 1.6x as fast in two runs.
+    # Set before TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
     onednn: bool = True
     # TensorFlow thread pools (0 = TensorFlow's default).
     intra_op_threads: int = 0
