@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as keras
-from conftest import tiny_split
 
 from app import cluster as clusters
 from app import config as cfg
@@ -32,11 +31,9 @@ def config(*overrides: str) -> cfg.Config:
 
 
 @pytest.fixture(scope="module")
-def trained(ps_strategy, tmp_path_factory):
-    datasets = data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
-                             test=tiny_split(101, seed=2), num_classes=10)
+def trained(ps_strategy, tiny_datasets, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ps")
-    metrics = trainer.run(config(), workdir, strategy=ps_strategy, datasets=datasets)
+    metrics = trainer.run(config(), workdir, strategy=ps_strategy, datasets=tiny_datasets)
     return metrics, workdir
 
 
@@ -51,10 +48,10 @@ def test_training_on_the_cluster_writes_metrics(trained):
     assert json.loads((workdir / "metrics.json").read_text())["ps_bytes"] == metrics["ps_bytes"]
 
 
-def test_test_accuracy_is_exact_over_every_test_image(trained):
+def test_test_accuracy_is_exact_over_every_test_image(trained, tiny_datasets):
     metrics, workdir = trained
     model = keras.models.load_model(workdir / "export")
-    test = tiny_split(101, seed=2)
+    test = tiny_datasets.test
     logits = model.predict(data.preprocess(test.images, test.labels)[0], verbose=0)
     expected = float(np.mean(np.argmax(logits, axis=-1) == test.labels))
     assert metrics["test_accuracy"] == pytest.approx(expected, abs=1e-9)
