@@ -81,6 +81,8 @@ ROWS: dict[str, Row] = {
     "mwms_2w": Row("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
     "mwms_2w_fp16": Row("the same, gradients all-reduced as float16 (sync.compression=fp16)",
                         _ps(2, 0, "sync.compression=fp16")),
+    "mwms_2w_onepack": Row("the same, one all-reduce after the backward pass (TF's default)",
+                           _ps(2, 0, "sync.bytes_per_pack=0")),
     "ps_2w1p": Row("ParameterServer: chief + 2 workers + 1 ps", _ps(2, 1)),
     "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
@@ -94,7 +96,7 @@ ROWS: dict[str, Row] = {
 }
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "onednn", "spe8", "xla", "mirrored_1dev", "mirrored_2dev", "mwms_2w",
-                "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
+                "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -143,6 +143,13 @@ class SyncConfig:
     # Compression.fp16, PyTorch DDP's fp16_compress_hook): half the bytes, the
     # sum cast back to float32 before the update. "none": float32 all the way.
     compression: str = "none"
+    # Gradients are all-reduced in packs, last layer first, each closed once it
+    # holds more than this many bytes (TensorFlow's
+    # CommunicationOptions.bytes_per_pack). A pack is sent as soon as its
+    # gradients exist, so the last layers' all-reduce overlaps the backward
+    # pass of the first ones. 0: one pack after the whole backward pass
+    # (TensorFlow's default).
+    bytes_per_pack: int = 4 * 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +202,7 @@ _NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_e
                  "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
                  "runtime.gpu_devices",
                  "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
-                 "ps.num_shards", "ps.backup_workers")
+                 "ps.num_shards", "ps.backup_workers", "sync.bytes_per_pack")
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -112,7 +112,8 @@ def _multi_worker(cluster: Cluster | None, config: Config) -> tf.distribute.Stra
     implementation = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(implementation={
         "auto": implementation.AUTO, "ring": implementation.RING,
-        "nccl": implementation.NCCL}[config.sync.collective])
+        "nccl": implementation.NCCL}[config.sync.collective],
+        bytes_per_pack=config.sync.bytes_per_pack)
     return MultiWorkerMirroredStrategy(
         cluster_resolver=cluster.resolver() if cluster else None,
         communication_options=options)

@@ -75,21 +75,61 @@ print("IDS", json.dumps({"ids": ids, "plain": options is not None}))
 """
 
 
-def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
+def run_workers(script: str, *args: str) -> list[str]:
+    """Run `script` as both tasks of a 2-worker TF_CONFIG cluster; their outputs."""
     ports = [portpicker.pick_unused_port() for _ in range(2)]
     workers = [f"localhost:{p}" for p in ports]
     procs = []
     for i in range(2):
         tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
         env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
-        procs.append(subprocess.Popen([sys.executable, "-c", READ_SHARD], env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     outputs = [p.communicate(timeout=300)[0] for p in procs]
-    read = []
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-3000:]
-        read.append(json.loads(output.split("IDS ", 1)[1]))
+    return outputs
+
+
+def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
+    read = [json.loads(output.split("IDS ", 1)[1]) for output in run_workers(READ_SHARD)]
     assert all(r["plain"] for r in read)  # one CPU replica per worker: PER_REPLICA input
     # Batches of 5 (10 over 2 replicas); worker i reads examples i, i + 2, ...
     assert read[0]["ids"] == list(range(0, 20, 2))
     assert read[1]["ids"] == list(range(1, 20, 2))
+
+
+# Keras's gradient aggregation under the project's MultiWorkerMirroredStrategy,
+# traced on each worker: one collective all-reduce op per pack.
+COUNT_PACKS = """
+import sys, tensorflow as tf, tf_keras
+from app import cluster, config, models, strategy
+conf = config.load(None, [f"sync.bytes_per_pack={sys.argv[1]}"])
+s = strategy.create("auto", cluster.read(), conf)
+with s.scope():
+    model = models.cnn((28, 28, 1), 10, dropout=0.5)
+    optimizer = tf_keras.optimizers.Adam()
+
+@tf.function
+def step(images, labels):
+    def replica_step(images, labels):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf_keras.losses.sparse_categorical_crossentropy(
+                labels, model(images), from_logits=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return [g for g, _ in optimizer.aggregate_gradients(
+            list(zip(grads, model.trainable_variables)))]
+    return s.run(replica_step, args=(images, labels))
+
+specs = tf.TensorSpec([4, 28, 28, 1]), tf.TensorSpec([4], tf.int64)
+graph = step.get_concrete_function(*specs).graph
+print("PACKS", sum(op.type.startswith("CollectiveReduce") for op in graph.get_operations()))
+"""
+
+
+@pytest.mark.parametrize("bytes_per_pack, packs", [(0, 1), (4 << 20, 2)])
+def test_gradients_are_all_reduced_in_packs_of_sync_bytes_per_pack(bytes_per_pack, packs):
+    # Reversed, the CNN's gradients are the dense layers' (12.9 MB, passing
+    # 4 MiB at the big kernel), then the convolutions': two packs.
+    for output in run_workers(COUNT_PACKS, str(bytes_per_pack)):
+        assert f"PACKS {packs}\n" in output, output[-3000:]
