@@ -139,25 +139,32 @@ def _devices(gpus: int) -> list[str]:
 
 
 def measure(args: list[str], workdir: pathlib.Path) -> dict:
-    """Run `python <args>` once; its metrics.json, with the peak memory of all its processes."""
+    """Run `python <args>` once; its metrics.json, with the peak memory of all its
+    processes and the CPU seconds they used, summed by cluster task type."""
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     with open(workdir.with_suffix(".log"), "w") as log:
         process = subprocess.Popen([sys.executable, *args, "--workdir", str(workdir)],
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
-        peak = 0
+        peak, cpu = 0, {}
         while process.poll() is None:
-            peak = max(peak, tree_rss(process.pid))
+            pids = tree(process.pid)
+            peak = max(peak, rss(pids))
+            cpu.update(cpu_seconds(pids))  # a process that has ended keeps its last reading
             time.sleep(0.2)
     if process.returncode:
         tail = workdir.with_suffix(".log").read_text()[-3000:]
         raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{tail}")
     metrics = json.loads((workdir / "metrics.json").read_text())
     metrics["peak_memory_mib"] = round(peak / 2**20, 1)
+    by_task: dict[str, float] = {}
+    for task, seconds in cpu.values():
+        by_task[task] = round(by_task.get(task, 0) + seconds, 1)
+    metrics["cpu_seconds"] = by_task
     return metrics
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants, read from /proc (Linux)."""
+def tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, read from /proc (Linux)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -167,16 +174,48 @@ def tree_rss(pid: int) -> int:
                 continue  # ended meanwhile
             ppid = int(stat.rsplit(")", 1)[1].split()[1])
             children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
-    page = os.sysconf("SC_PAGE_SIZE")
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
+        found.append(p)
         todo += children.get(p, [])
+    return found
+
+
+def rss(pids: list[int]) -> int:
+    """Resident bytes of `pids` together."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for p in pids:
         try:
             total += int(pathlib.Path(f"/proc/{p}/statm").read_text().split()[1]) * page
         except OSError:
             pass
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and all its descendants."""
+    return rss(tree(pid))
+
+
+def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
+    """Per pid: its cluster task type (from TF_CONFIG; "launcher" or "main" without
+    one) and the user + system CPU seconds it has used so far."""
+    found, tick = {}, os.sysconf("SC_CLK_TCK")
+    for p in pids:
+        try:
+            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            environ = pathlib.Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            cmdline = pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue  # ended meanwhile
+        task = "launcher" if b"launch.local" in cmdline else "main"
+        for item in environ:
+            if item.startswith(b"TF_CONFIG="):
+                task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
+        # utime and stime: fields 14 and 15, counted from the ")" that ends field 2.
+        found[p] = task, (int(fields[11]) + int(fields[12])) / tick
+    return found
 
 
 def run(rows: list[str], base_args: list[str], repeats: int, gpus: int,
@@ -203,6 +242,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             "steps_per_sec": statistics.median(m.get("train_steps_per_sec", 0) for m in metrics),
             "test_accuracy": statistics.median(m.get("test_accuracy", 0) for m in metrics),
             "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
+            "cpu_seconds": {task: statistics.median(m["cpu_seconds"].get(task, 0)
+                                                    for m in metrics)
+                            for task in metrics[0].get("cpu_seconds", {})},
             "num_replicas": metrics[0]["num_replicas"],
         }
         for key in ("mode", "backup_workers", "stale_dropped", "contributions"):
@@ -220,17 +262,24 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
 def table(results: dict[str, dict]) -> str:
     width = max(len(row) for row in results)
     lines = [f"{'row':<{width}}  examples/s  ratio  steps/s  test acc  peak MiB  "
-             "ps MiB (balance)",
+             "CPU s by task                  ps MiB (balance)",
              f"{'-' * width}  ----------  -----  -------  --------  --------  "
-             "----------------"]
+             "-----------------------------  ----------------"]
     for row, r in results.items():
         ps = ""
         if "ps_bytes" in r:
             ps = " / ".join(f"{b / 2**20:.1f}" for b in r["ps_bytes"]) + f" ({r['ps_balance']})"
         lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}  "
                      f"{r['steps_per_sec']:>7.2f}  {r['test_accuracy']:>8.4f}  "
-                     f"{r['peak_memory_mib']:>8.0f}  {ps}")
+                     f"{r['peak_memory_mib']:>8.0f}  "
+                     f"{cpu_text(r.get('cpu_seconds', {})):<29}  {ps}")
     return "\n".join(lines)
+
+
+def cpu_text(cpu: dict[str, float]) -> str:
+    """CPU seconds by task type, largest first: "worker 96 ps 31 chief 12"."""
+    return " ".join(f"{task} {seconds:.0f}"
+                    for task, seconds in sorted(cpu.items(), key=lambda item: -item[1]))
 
 
 def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:

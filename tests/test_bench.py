@@ -46,7 +46,9 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
                 "num_replicas": 1, **extra}
     ps = {"ps_bytes": [100, 120], "ps_balance": 1.09}
     results = bench.summarize({
-        "baseline": [run(400, 900), run(500, 950), run(420, 940)],
+        "baseline": [run(400, 900, cpu_seconds={"main": 50}),
+                     run(500, 950, cpu_seconds={"main": 40}),
+                     run(420, 940, cpu_seconds={"main": 45})],
         "ps_2w2p": [run(210, 3000, **ps), run(200, 3100, **ps), run(100, 2900, **ps)],
     })
     assert results["baseline"]["examples_per_sec"] == 420 and results["baseline"]["ratio"] == 1.0
@@ -55,6 +57,8 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
     assert results["ps_2w2p"]["ps_bytes"] == [100, 120] and "ps_bytes" not in results["baseline"]
     assert "ps_2w2p" in bench.table(results) and "100" not in bench.table(results).split("\n")[2]
     assert results["baseline"]["steps_per_sec"] == 0  # not in these runs: shown as 0
+    assert results["baseline"]["cpu_seconds"] == {"main": 45}
+    assert "main 45" in bench.table(results) and results["ps_2w2p"]["cpu_seconds"] == {}
 
 
 def test_tree_memory_counts_child_processes():
@@ -66,6 +70,22 @@ def test_tree_memory_counts_child_processes():
     try:
         child.stdout.readline()  # the child has touched its 300 MiB
         assert bench.tree_rss(os.getpid()) - before > 250 << 20
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_cpu_seconds_are_counted_by_cluster_task_type():
+    burn = "import time\nend = time.process_time() + 1\nwhile time.process_time() < end: pass\n"
+    tf_config = json.dumps({"cluster": {"ps": ["h:1"]}, "task": {"type": "ps", "index": 0}})
+    child = subprocess.Popen([sys.executable, "-c", burn + "print(flush=True); input()"],
+                             env={**os.environ, "TF_CONFIG": tf_config},
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        child.stdout.readline()  # the child has used 1 s of CPU
+        used = bench.cpu_seconds(bench.tree(os.getpid()))
+        assert used[child.pid][0] == "ps" and 0.9 <= used[child.pid][1] < 5
+        assert used[os.getpid()][0] == "main"
     finally:
         child.kill()
         child.wait()
