@@ -193,11 +193,6 @@ def rss(pids: list[int]) -> int:
     return total
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of `pid` and all its descendants."""
-    return rss(tree(pid))
-
-
 def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
     """Per pid: its cluster task type (from TF_CONFIG; "launcher" or "main" without
     one) and the user + system CPU seconds it has used so far."""
