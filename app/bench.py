@@ -87,6 +87,8 @@ ROWS: dict[str, Row] = {
     "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
+    "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
+                        _ps(2, 2, "ps.compression=fp16")),
     "straggler_async": Row("ParameterServer async, 3 workers + 1 ps, worker 2 slowed 3x",
                            _ps(3, 1, *_STRAGGLER)),
     "straggler_sync_b0": Row("the same, ps.mode=sync, no backup worker",

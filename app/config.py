@@ -132,6 +132,11 @@ class PSConfig:
     # train.global_batch_size is the examples per update, split over those workers.
     mode: str = "async"
     backup_workers: int = 0
+    # "fp16": in async mode each worker pushes its gradients to the ps tasks as
+    # float16, and the ps casts them back to float32 for the update: half the
+    # bytes of every push (the variables are still read as float32).
+    # "none": float32 both ways.
+    compression: str = "none"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +194,7 @@ _CHOICES = {
     "train.precision": ("float32", "mixed_bfloat16", "mixed_float16"),
     "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
     "ps.mode": ("async", "sync"),
+    "ps.compression": ("none", "fp16"),
     "sync.collective": ("auto", "ring", "nccl"),
     "sync.compression": ("none", "fp16"),
     "runtime.strategy": (

@@ -10,7 +10,8 @@ round-robin, and optimizer slots sit with their variable. A test checks the
 prediction against the placement of a real in-process cluster.
 
 Per step, a worker reads every trainable variable from its ps task and sends a
-gradient of the same size back; optimizer slots never leave the ps.
+gradient of the same size back (half the size with ps.compression = fp16);
+optimizer slots never leave the ps.
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ from app.parameter_server import Placement, Shard, base_name, human_size
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     read_bytes: list[int]  # ps -> worker per step: the trainable variables
+    gradient_scale: float = 1.0  # gradient bytes per variable byte: 0.5 when sent as float16
 
     @property
     def written_bytes(self) -> list[int]:
-        """worker -> ps per step: the gradients, as large as the variables."""
-        return self.read_bytes
+        """worker -> ps per step: the gradients."""
+        return [round(n * self.gradient_scale) for n in self.read_bytes]
 
 
 def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
@@ -81,7 +83,8 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
             shape = (rows, *var.shape[1:])
             shards.append(Shard(base_name(var.name), task, shape,
                                 math.prod(shape) * var.dtype.size))
-    return Placement(num_ps, tuple(shards)), Traffic(read)
+    scale = 0.5 if config.ps.compression == "fp16" else 1.0
+    return Placement(num_ps, tuple(shards)), Traffic(read, scale)
 
 
 def _slots(optimizer, variables) -> dict[int, int]:

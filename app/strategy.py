@@ -170,6 +170,29 @@ def fp16_all_reduce(optimizer_class: type) -> type:
     return FP16AllReduce
 
 
+def fp16_push(optimizer_class: type) -> type:
+    """`optimizer_class`, with each gradient sent to its variable as float16.
+
+    Under ParameterServerStrategy a worker computes the gradients and the
+    update runs where the variable lives, on a ps task, so every gradient
+    crosses the network. The cast to float16 happens on the worker, after
+    Keras' `aggregate_gradients`; the cast back happens in `update_step`,
+    which Keras runs colocated with the variable: the push carries half the
+    bytes and the ps updates the float32 variable and its slots as before.
+    """
+
+    class FP16Push(optimizer_class):
+        def aggregate_gradients(self, grads_and_vars):
+            summed = super().aggregate_gradients(grads_and_vars)
+            return [(_cast(g, tf.float16), v) for g, v in summed]
+
+        def update_step(self, gradient, variable):
+            return super().update_step(_cast(gradient, variable.dtype), variable)
+
+    FP16Push.__name__ = FP16Push.__qualname__ = optimizer_class.__name__  # as FP16AllReduce
+    return FP16Push
+
+
 def _cast(gradient, dtype):
     return None if gradient is None else tf.cast(gradient, dtype)
 

@@ -65,6 +65,7 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
     replicas = strategy.num_replicas_in_sync
     strategies.check_batch(config.train.global_batch_size, replicas)
     _check_compression(config, strategy)
+    _check_ps_compression(config, strategy)
     sync = _sync_ps(config, strategy)
     straggler = _straggler(config, strategy)
     # In sync mode a global batch is the examples of one update, over `sync` workers.
@@ -202,6 +203,20 @@ def _check_compression(config: Config, strategy: tf.distribute.Strategy) -> None
             f"({strategies.describe(strategy)}); set it to none")
 
 
+def _check_ps_compression(config: Config, strategy: tf.distribute.Strategy) -> None:
+    if config.ps.compression == "none":
+        return
+    if not isinstance(strategy, tf.distribute.ParameterServerStrategy):
+        raise ConfigError(
+            f"ps.compression = {config.ps.compression} compresses the gradients workers push "
+            f"to ps tasks, and this run has none ({strategies.describe(strategy)}); set it to none")
+    if config.ps.mode != "async":
+        raise ConfigError(
+            f"ps.compression = {config.ps.compression} applies to ps.mode = async; "
+            f"ps.mode = {config.ps.mode} sends its gradients through accumulators in float32. "
+            "Set one of them back")
+
+
 def _sync_ps(config: Config, strategy: tf.distribute.Strategy) -> int:
     """In ps.mode = sync, how many workers' gradients each update waits for; else 0."""
     if config.ps.mode != "sync":
@@ -308,6 +323,8 @@ def _optimizer(config: Config, steps_per_epoch: int) -> keras.optimizers.Optimiz
         kind, kwargs = keras.optimizers.SGD, {"momentum": 0.9}
     if config.sync.compression == "fp16":
         kind = strategies.fp16_all_reduce(kind)
+    if config.ps.compression == "fp16":
+        kind = strategies.fp16_push(kind)
     return kind(lr, **kwargs)
 
 

@@ -104,6 +104,45 @@ def test_each_worker_reads_its_own_shard_of_the_data(ps_strategy):
     assert seen == {(0, 2, 4, 6, 8), (1, 3, 5, 7, 9)}
 
 
+def test_fp16_push_casts_on_the_worker_and_back_on_the_ps(ps_strategy):
+    with ps_strategy.scope():
+        v = tf.Variable([0.0, 0.0])
+        optimizer = trainer._optimizer(config("ps.compression=fp16", "train.optimizer=sgd",
+                                              "train.lr_schedule=constant",
+                                              "train.learning_rate=1.0"), steps_per_epoch=1)
+    coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(ps_strategy)
+
+    @tf.function
+    def step():
+        def replica_fn():
+            gradient = tf.constant([0.1, 1e-3]) + 0.0 * v  # computed on the worker
+            optimizer.apply_gradients([(gradient, v)])
+        ps_strategy.run(replica_fn)
+
+    coordinator.schedule(step)
+    coordinator.join()
+    # SGD (momentum 0.9, a first step) moves v by exactly the float16 gradient.
+    f16 = np.float16
+    np.testing.assert_array_equal(v.numpy(), -np.array([f16(0.1), f16(1e-3)], np.float32))
+    casts = [op for op in step.get_concrete_function().graph.get_operations()
+             if op.type == "Cast" and tf.float16 in (op.get_attr("SrcT"), op.get_attr("DstT"))]
+    to_16 = [op.device for op in casts if op.get_attr("DstT") == tf.float16]
+    back = [op.device for op in casts if op.get_attr("SrcT") == tf.float16]
+    # The float16 tensor is what crosses from the worker to the ps.
+    assert to_16 and not any("/job:ps" in d for d in to_16)
+    assert back and all(d == v.device for d in back), (back, v.device)
+
+
+def test_fp16_push_in_sync_mode_is_refused(ps_strategy, tiny_datasets, tmp_path):
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config("ps.compression=fp16", "ps.mode=sync"), tmp_path,
+                    strategy=ps_strategy, datasets=tiny_datasets)
+    assert str(e.value) == ("ps.compression = fp16 applies to ps.mode = async; ps.mode = sync "
+                            "sends its gradients through accumulators in float32. Set one of "
+                            "them back")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_task_serves_until_the_chief_has_come_and_gone():
     chief = socket.socket()
     chief.bind(("localhost", 0))

@@ -35,6 +35,12 @@ def test_plan_balances_the_cnn_over_two_ps_where_round_robin_does_not():
     assert sum(traffic.read_bytes) == sum(traffic.written_bytes) == 3_274_634 * 4
 
 
+def test_plan_halves_the_gradient_bytes_of_a_float16_push():
+    _, traffic = plan.predict(cfg.load("configs/mnist_ps.toml", ["ps.compression=fp16"]), num_ps=2)
+    assert sum(traffic.read_bytes) == 3_274_634 * 4  # the variables are still read as float32
+    assert sum(traffic.written_bytes) == 3_274_634 * 2
+
+
 def test_plan_command_prints_the_report(capsys):
     assert plan.main(["--config", "configs/mnist_ps.toml", "--ps", "2"]) == 0
     out = capsys.readouterr().out

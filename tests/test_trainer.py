@@ -158,6 +158,8 @@ def test_fp16_compressed_run_learns_and_exports_a_loadable_model(tmp_path, tiny_
                      "use ps.mode = async"),
     ("debug.slow_worker=0", "debug.slow_worker = 0 slows a worker of a parameter-server "
                             "cluster, and this run has none (DefaultStrategy); set it to -1"),
+    ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push to "
+                            "ps tasks, and this run has none (DefaultStrategy); set it to none"),
 ])
 def test_parameter_server_settings_without_ps_tasks_are_refused(override, message, tmp_path,
                                                                  tiny_datasets):
