@@ -10,9 +10,9 @@ baseline row measured in the same invocation, the peak resident memory of
 all its processes together, and for parameter-server rows the bytes each ps
 task holds and their balance (largest / mean).
 
-Every row starts from the plain settings (TensorFlow's own CPU kernels,
-float32, no XLA, one step per execution), so that a speed switch shows up
-only in the row that turns it on.
+Every row starts from the plain settings (TensorFlow's own CPU kernels and
+CPU allocator, float32, no XLA, one step per execution), so that a speed
+switch shows up only in the row that turns it on.
 
     python -m app.bench --steps 300 --workdir runs/bench   # or: make bench
 """
@@ -66,12 +66,13 @@ _STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_
               "data.name=mnist", "data.validation_examples=0", "data.test_examples=0")
 
 # The settings every row starts from; rows and --set may change them.
-PLAIN = ("runtime.onednn=false", "train.precision=float32", "train.jit_compile=false",
-         "train.steps_per_execution=1")
+PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
+         "train.jit_compile=false", "train.steps_per_execution=1")
 
 ROWS: dict[str, Row] = {
     "baseline": Row("plain Keras fit, one process, default strategy", _BASELINE),
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
+    "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
     "xla": _switch("train.jit_compile=true"),
     "bf16": _switch("train.precision=mixed_bfloat16"),
@@ -97,8 +98,8 @@ ROWS: dict[str, Row] = {
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
 }
 BASELINE = "baseline"
-DEFAULT_ROWS = ("baseline", "onednn", "spe8", "xla", "mirrored_1dev", "mirrored_2dev", "mwms_2w",
-                "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
+DEFAULT_ROWS = ("baseline", "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
+                "mwms_2w", "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -104,6 +104,16 @@ class RuntimeConfig:
     # Performance they trained the CNN 1.4x and 1.6x as fast in two runs.
     # Set before TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
     onednn: bool = True
+    # Where TensorFlow's CPU tensors get their memory when oneDNN is off (with
+    # oneDNN on, TensorFlow always uses its oneDNN allocator, itself a BFC pool).
+    # Set before TF starts (app/train.py), as TF_CPU_ALLOCATOR_USE_BFC.
+    # "bfc": TensorFlow's best-fit-with-coalescing pool, which keeps freed memory
+    #   for the next step's tensors;
+    # "malloc": TensorFlow's default. Tensors over glibc's mmap threshold are
+    #   mapped and unmapped every step, so each step faults their pages in and
+    #   the kernel zeroes them again: at batch 512 that cost parameter-server
+    #   workers most of all (README: Performance).
+    cpu_allocator: str = "bfc"
     # TensorFlow thread pools (0 = TensorFlow's default).
     intra_op_threads: int = 0
     inter_op_threads: int = 0
@@ -197,6 +207,7 @@ _CHOICES = {
     "ps.compression": ("none", "fp16"),
     "sync.collective": ("auto", "ring", "nccl"),
     "sync.compression": ("none", "fp16"),
+    "runtime.cpu_allocator": ("bfc", "malloc"),
     "runtime.strategy": (
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
 }

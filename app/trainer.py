@@ -175,6 +175,7 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         "precision": config.train.precision,
         "jit_compile": config.train.jit_compile,
         "steps_per_execution": config.train.steps_per_execution,
+        "cpu_allocator": config.runtime.cpu_allocator,
         **peak_memory_mib(),
         "history": _history(history),
     }
@@ -248,8 +249,14 @@ def _straggler(config: Config, strategy: tf.distribute.Strategy) -> sync_ps.Stra
 
 
 def peak_memory_mib() -> dict[str, float]:
-    """This process's peak resident memory and, with a GPU, TF's peak allocation on GPU:0."""
+    """This process's peak resident memory and TF's peak allocation on CPU:0 (with the
+    bfc allocator, the only CPU allocator that counts) and, with a GPU, on GPU:0."""
     peaks = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    try:
+        peaks["peak_cpu_tensor_mib"] = round(
+            tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1)
+    except ValueError:  # "Allocator stats not available": runtime.cpu_allocator = "malloc"
+        pass
     if tf.config.list_logical_devices("GPU"):
         info = tf.config.experimental.get_memory_info("GPU:0")
         peaks["peak_gpu_mib"] = round(info["peak"] / 2**20, 1)

@@ -40,6 +40,8 @@ def test_round_trip_through_written_toml(tmp_path):
     ("runtime.strategy=tpu", "runtime.strategy = 'tpu' is not one of auto, default, mirrored"),
     ("epochs", "--set 'epochs': expected key=value, e.g. --set train.epochs=3"),
     ("ps.mode=semi", "ps.mode = 'semi' is not one of async, sync"),
+    ("runtime.cpu_allocator=tcmalloc",
+     "runtime.cpu_allocator = 'tcmalloc' is not one of bfc, malloc"),
     ("ps.backup_workers=-1", "ps.backup_workers = -1 must be >= 0"),
     ("debug.slow_worker=-2", "debug.slow_worker = -2 must be a worker index, or -1 for none"),
     ("debug.slow_factor=0.5", "debug.slow_factor = 0.5 must be >= 1"),

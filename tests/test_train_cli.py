@@ -23,7 +23,9 @@ def run_cli(*args, tf_config=None, cwd=None):
 @pytest.mark.slow
 def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
     workdir = tmp_path / "run"
-    result = run_cli("--config", "configs/mnist.toml", *SMALL, "--workdir", str(workdir))
+    # oneDNN off: its own allocator would count bytes whatever runtime.cpu_allocator says.
+    result = run_cli("--config", "configs/mnist.toml", *SMALL, "--set", "runtime.onednn=false",
+                     "--workdir", str(workdir))
     assert result.returncode == 0, result.stderr
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["strategy"] == "DefaultStrategy"
@@ -32,12 +34,15 @@ def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
     assert metrics["num_test_examples"] == 500
     assert metrics["test_accuracy"] > 0.8  # real digits, learnt in 112 steps
     assert metrics["train_examples_per_sec"] > 0 and metrics["wall_seconds"] > 0
+    # The default allocator, bfc, counts its bytes; TensorFlow's own does not (below).
+    assert metrics["cpu_allocator"] == "bfc" and metrics["peak_cpu_tensor_mib"] > 1
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith(f"test_accuracy={metrics['test_accuracy']:.4f} ")
     assert "(500 test images)" in last_line
     assert (workdir / "config.toml").exists()
 
-    again = run_cli("--config", "configs/mnist.toml", *SMALL, "--workdir", str(workdir))
+    again = run_cli("--config", "configs/mnist.toml", *SMALL, "--set", "runtime.onednn=false",
+                    "--workdir", str(workdir))
     assert again.returncode == 2
     assert "already holds a finished run" in again.stderr
     assert json.loads((workdir / "metrics.json").read_text()) == metrics
@@ -46,10 +51,13 @@ def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
 @pytest.mark.slow
 def test_mirrored_on_two_logical_cpus(tmp_path):
     result = run_cli("--strategy", "mirrored", "--set", "runtime.cpu_devices=2", *SMALL,
-                     "--set", "train.epochs=1", "--workdir", str(tmp_path))
+                     "--set", "train.epochs=1", "--set", "runtime.cpu_allocator=malloc",
+                     "--set", "runtime.onednn=false", "--workdir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert (metrics["strategy"], metrics["num_replicas"]) == ("MirroredStrategy", 2)
+    # TensorFlow's default allocator (oneDNN off) keeps no count: the setting reached it.
+    assert metrics["cpu_allocator"] == "malloc" and "peak_cpu_tensor_mib" not in metrics
 
 
 @pytest.mark.parametrize("args, tf_config, message", [
