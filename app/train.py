@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         config = cfg.load(args.config, overrides)
         # Read once, when TensorFlow starts (below, after all checks).
         os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
-        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = str(config.runtime.cpu_allocator == "bfc").lower()
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = (
+            "true" if config.runtime.cpu_allocator == "bfc" else "false")
         cluster = clusters.read()
         setup_logging(cluster.label if cluster else "local")
         task = role(cluster)

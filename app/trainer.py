@@ -249,13 +249,13 @@ def _straggler(config: Config, strategy: tf.distribute.Strategy) -> sync_ps.Stra
 
 
 def peak_memory_mib() -> dict[str, float]:
-    """This process's peak resident memory and TF's peak allocation on CPU:0 (with the
-    bfc allocator, the only CPU allocator that counts) and, with a GPU, on GPU:0."""
+    """This process's peak resident memory, TF's peak allocation on CPU:0 where its
+    allocator counts one (bfc, or oneDNN's) and, with a GPU, on GPU:0."""
     peaks = {"peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     try:
         peaks["peak_cpu_tensor_mib"] = round(
             tf.config.experimental.get_memory_info("CPU:0")["peak"] / 2**20, 1)
-    except ValueError:  # "Allocator stats not available": runtime.cpu_allocator = "malloc"
+    except ValueError:  # "Allocator stats not available": malloc, with oneDNN off
         pass
     if tf.config.list_logical_devices("GPU"):
         info = tf.config.experimental.get_memory_info("GPU:0")
