@@ -63,7 +63,7 @@ def _switch(setting: str, note: str = "") -> Row:
 # that their test accuracy means something. Their global batch (96) divides over
 # the 3 or 2 workers a sync update waits for; each row sees the same examples.
 _STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_size=96",
-              "data.name=mnist", "data.validation_examples=0", "data.test_examples=0")
+              "task.source=mnist", "task.validation_examples=0", "task.test_examples=0")
 
 # The settings every row starts from; rows and --set may change them.
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
@@ -118,8 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
     """app.train arguments for a run of exactly `steps` steps of pure training."""
     batch = cfg.load(config_path, [*PLAIN, *overrides]).train.global_batch_size
-    fixed = ["data.name=synthetic", f"data.train_examples={steps * batch}",
-             "data.validation_examples=0", f"data.test_examples={batch}", "train.epochs=1",
+    fixed = ["task.source=synthetic", f"task.train_examples={steps * batch}",
+             "task.validation_examples=0", f"task.test_examples={batch}", "train.epochs=1",
              "eval.test_every_epoch=false", "train.verbose=0"]
     return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
 

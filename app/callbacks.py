@@ -46,8 +46,9 @@ class Throughput(keras.callbacks.Callback):
     when fit() has joined it again, before any evaluation.
     """
 
-    def __init__(self, global_batch_size: int, warmup_steps: int = 20):
+    def __init__(self, global_batch_size: int, warmup_steps: int = 20, coordinator=None):
         super().__init__()
+        self.coordinator = coordinator
         # Allows batch hooks under ParameterServerStrategy; `logs` are never read.
         self._supports_tf_logs = True
         self.global_batch_size = global_batch_size
@@ -62,9 +63,8 @@ class Throughput(keras.callbacks.Callback):
         self._last, self._done_in_epoch = None, 0
 
     def on_train_batch_end(self, batch, logs=None):
-        coordinator = self._coordinator()
-        if coordinator is not None:
-            self._scheduled(batch + 1, coordinator)
+        if self.coordinator is not None:
+            self._scheduled(batch + 1, self.coordinator)
             return
         now = time.perf_counter()
         done = batch + 1  # Keras passes the index of the last step run.
@@ -87,15 +87,12 @@ class Throughput(keras.callbacks.Callback):
         self._done_in_epoch = done
 
     def on_epoch_end(self, epoch, logs=None):
-        if self._coordinator() is None:
+        if self.coordinator is None:
             return
         if self._last is not None:
             self.seconds += time.perf_counter() - self._last
             self.steps += self._done_in_epoch - self._start_step
         self._seen += self._done_in_epoch
-
-    def _coordinator(self):
-        return getattr(self.model, "_cluster_coordinator", None)
 
     def examples_per_sec(self) -> float:
         if not self.seconds:
@@ -107,16 +104,19 @@ class Evaluation(keras.callbacks.Callback):
     """Evaluates a dataset after each epoch and adds `<prefix>*` to the epoch's logs."""
 
     def __init__(self, dataset: tf.data.Dataset,
-                 evaluate: Callable[[tf.data.Dataset], dict[str, float]], prefix: str):
+                 evaluate: Callable[[tf.data.Dataset], dict[str, float]], prefix: str,
+                 metric: str = "loss"):
         super().__init__()
         self.dataset, self.evaluate, self.prefix = dataset, evaluate, prefix
+        self.metric = metric  # the task's headline, logged first
 
     def on_epoch_end(self, epoch, logs=None):
         results = self.evaluate(self.dataset)
         if logs is not None:
             logs.update({f"{self.prefix}{name}": value for name, value in results.items()})
-        log.info("epoch %d: %saccuracy %.4f, %sloss %.4f", epoch + 1,
-                 self.prefix, results["accuracy"], self.prefix, results["loss"])
+        names = dict.fromkeys([self.metric, "loss", *results])
+        log.info("epoch %d: %s", epoch + 1, ", ".join(
+            f"{self.prefix}{name} {results[name]:.4f}" for name in names if name in results))
 
 
 class EpochCheckpoint(keras.callbacks.Callback):

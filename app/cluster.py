@@ -15,6 +15,7 @@ import os
 import re
 import socket
 import time
+import typing
 from typing import Any
 
 from app.config import ConfigError
@@ -90,10 +91,9 @@ class Cluster:
             task_id=self.task_index, rpc_layer=self.rpc_layer)
 
 
-def lost_ps(message: str, cluster: Cluster) -> str:
-    """Name the ps tasks a TensorFlow error message blames, with their addresses."""
+def lost_ps(message: str, ps: typing.Sequence[str]) -> str:
+    """Name the ps tasks a TensorFlow error message blames, with their `ps` addresses."""
     indices = sorted({int(i) for i in re.findall(r"/job:ps/replica:0/task:(\d+)", message)})
-    ps = cluster.jobs.get("ps", ())
     named = [f"ps:{i} ({ps[i]})" for i in indices if i < len(ps)]
     return ", ".join(named) or "a parameter server"
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import tomllib
@@ -20,64 +21,69 @@ class ConfigError(ValueError):
     """A user-facing configuration mistake. The message names the field and the fix."""
 
 
+def field(default: Any, *, choices: tuple[str, ...] = (), minimum: float | None = None,
+          maximum: float | None = None, above: float | None = None,
+          below: float | None = None) -> Any:
+    """A config field with its default and the values it accepts: one of `choices`, or
+    a number >= `minimum` / > `above` and <= `maximum` / < `below`. `check_section`
+    enforces them, for the sections here and for a task's own `Params`."""
+    rules = {k: v for k, v in (("choices", choices), ("minimum", minimum),
+                               ("maximum", maximum), ("above", above), ("below", below))
+             if v not in (None, ())}
+    return dataclasses.field(default=default, metadata=rules)
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+    # A built-in task ("mnist") or an import path "package.module:ClassName"
+    # (app/task.py). The other keys of [task] are the task's own parameters,
+    # checked by its Params dataclass (for mnist: app/tasks/mnist.py).
+    name: str = "mnist"
+    params: dict = dataclasses.field(default_factory=dict)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    # "mnist" (IDX files in `dir`), "tfds:<name>" or "synthetic".
-    name: str = "mnist"
-    # Directory of the IDX files; empty means the copy bundled with the project.
-    dir: str = ""
-    # Use only the first N training / test examples (0 = all). For smoke runs:
-    # test accuracy is then over N images, and metrics.json says so.
-    train_examples: int = 0
-    test_examples: int = 0
-    # Held out from the end of the training set for per-epoch validation, as the
-    # classic MNIST examples did (55,000 train / 5,000 validation).
-    validation_examples: int = 5000
-    shuffle_buffer: int = 60000
-    # Random translation of up to this many pixels in each direction (0 = off).
-    augment_shift: int = 0
     # How the training data is split over the input pipelines (one per worker),
-    # as tf.data's AutoShardPolicy names it. "auto": every source here is read
-    # into memory, so "data". "data": pipeline i of n takes examples i, i+n, ...
-    # (disjoint, together the whole set). "off": every pipeline reads the whole
-    # set, each in its own shuffled order. ("file" needs a source stored as at
-    # least one file per worker, which none of these sources is.)
-    shard_policy: str = "auto"
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    name: str = "cnn"  # "cnn" or "mlp"
-    dropout: float = 0.5
+    # as tf.data's AutoShardPolicy names it. "data": pipeline i of n takes
+    # records i, i+n, ... (disjoint, together the whole set). "file": pipeline i
+    # reads files i, i+n, ... (a task that reads at least one file per worker).
+    # "auto": by file where the task has enough files, else by record. "off":
+    # every pipeline reads the whole set, each in its own shuffled order (under
+    # parameter servers, in one order: app/task.py, Task.pipeline_seed).
+    shard_policy: str = field("auto", choices=("auto", "data", "file", "off"))
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    # Tuned on real MNIST (README: Results): batch 32 and one annealed cosine
-    # cycle per epoch put the first epoch above 99.0% test accuracy; batch 64
-    # and 128 reach 98.95% and 98.68% there.
-    epochs: int = 5
-    global_batch_size: int = 32
-    optimizer: str = "adam"  # "adam" or "sgd"
-    learning_rate: float = 1e-3
+    epochs: int = field(5, above=0)
+    # Steps per epoch; 0 = one pass over the task's training examples. Needed
+    # for a task whose training data has no end.
+    steps_per_epoch: int = field(0, minimum=0)
+    # The examples of one optimizer step over all replicas (see README:
+    # Training for what each strategy makes of it). Batch 32 with one annealed
+    # cosine cycle per epoch is the default MNIST run's.
+    global_batch_size: int = field(32, above=0)
+    optimizer: str = field("adam", choices=("adam", "sgd", "adagrad"))
+    learning_rate: float = field(1e-3, above=0)
     # "cosine" decays to `final_lr_fraction * learning_rate` over the whole run;
     # "cosine_restarts" does so every `lr_cycle_epochs`, each cycle starting
     # `lr_cycle_decay` times lower than the one before (SGDR, Loshchilov & Hutter).
-    lr_schedule: str = "cosine_restarts"  # "cosine", "cosine_restarts" or "constant"
-    final_lr_fraction: float = 0.01
-    lr_cycle_epochs: int = 1
-    lr_cycle_decay: float = 0.8
-    # Speed switches (measured by `python -m app.bench`; README: Performance).
+    lr_schedule: str = field("cosine_restarts",
+                             choices=("cosine", "cosine_restarts", "constant"))
+    final_lr_fraction: float = field(0.01, minimum=0, maximum=1)
+    lr_cycle_epochs: int = field(1, above=0)
+    lr_cycle_decay: float = field(0.8, above=0)
     # Steps per call of the compiled train function: fewer Python round trips.
-    steps_per_execution: int = 1
+    steps_per_execution: int = field(1, above=0)
     # Compile the train step with XLA.
     jit_compile: bool = False
     # "float32", or "mixed_bfloat16" / "mixed_float16": compute in 16 bits,
     # keep variables and the logits in float32 (Keras mixed precision).
-    precision: str = "float32"
-    seed: int = 0
+    precision: str = field("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    seed: int = field(0, minimum=0)
     # Keras verbosity: "auto" shows a progress bar on a terminal.
-    verbose: str = "auto"
+    verbose: str = field("auto", choices=("auto", "0", "1", "2"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,43 +91,40 @@ class EvalConfig:
     # Evaluate on the test set after every epoch too (not only at the end), so the
     # learning curve is on record. Costs about one forward pass of the test set.
     test_every_epoch: bool = True
-    batch_size: int = 1000
+    batch_size: int = field(1000, above=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
     # "auto" picks from TF_CONFIG and the local devices; see app/strategy.py.
-    strategy: str = "auto"
+    strategy: str = field("auto", choices=(
+        "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"))
     # Split the CPU into N logical devices (0 = leave it whole), so that
     # MirroredStrategy can run on a CPU-only machine.
-    cpu_devices: int = 0
+    cpu_devices: int = field(0, minimum=0)
     # Split the first GPU into N logical GPUs (0 = leave the GPUs as they are),
     # each with `gpu_device_memory_mib` of memory: Mirrored on a one-GPU machine.
-    gpu_devices: int = 0
-    gpu_device_memory_mib: int = 4096
+    gpu_devices: int = field(0, minimum=0)
+    gpu_device_memory_mib: int = field(4096, above=0)
     # oneDNN kernels for CPU ops. TensorFlow turns them on by itself only on
-    # CPUs with AVX-512 and newer; on the 2-core AVX2 machine of README:
-    # Performance they trained the CNN 1.4x and 1.6x as fast in two runs.
-    # Set before TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
+    # CPUs with AVX-512 and newer; this turns them on everywhere (benchmarks:
+    # the `onednn` row). Set before TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
     onednn: bool = True
     # Where TensorFlow's CPU tensors get their memory when oneDNN is off (with
     # oneDNN on, TensorFlow always uses its oneDNN allocator, itself a BFC pool).
     # Set before TF starts (app/train.py), as TF_CPU_ALLOCATOR_USE_BFC.
     # "bfc": TensorFlow's best-fit-with-coalescing pool, which keeps freed memory
-    #   for the next step's tensors;
-    # "malloc": TensorFlow's default. Tensors over glibc's mmap threshold are
-    #   mapped and unmapped every step, so each step faults their pages in and
-    #   the kernel zeroes them again: at batch 512 that cost parameter-server
-    #   workers most of all (README: Performance).
-    cpu_allocator: str = "bfc"
+    #   for the next step's tensors; "malloc": TensorFlow's default, which maps
+    #   and unmaps tensors above glibc's mmap threshold every step.
+    cpu_allocator: str = field("bfc", choices=("bfc", "malloc"))
     # TensorFlow thread pools (0 = TensorFlow's default).
-    intra_op_threads: int = 0
-    inter_op_threads: int = 0
+    intra_op_threads: int = field(0, minimum=0)
+    inter_op_threads: int = field(0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    connect_timeout_s: int = 120
+    connect_timeout_s: int = field(120, above=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,39 +135,39 @@ class PSConfig:
     # "max_size": shards of at most `shard_bytes`;
     # "fixed": `num_shards` shards for every variable (0 = one per ps task);
     # "none": whole variables, placed round-robin as TF1 did.
-    partitioner: str = "min_size"
-    shard_bytes: int = 256 << 10
-    num_shards: int = 0
+    partitioner: str = field("min_size", choices=("min_size", "max_size", "fixed", "none"))
+    shard_bytes: int = field(256 << 10, above=0)
+    num_shards: int = field(0, minimum=0)
     # "async": each worker's update is applied as it arrives (the classic
     # ps/worker default, Keras fit). "sync": every update averages the
     # gradients of the first `workers - backup_workers` workers computed on the
     # current parameters and drops the rest (app/sync_ps.py). In sync mode
     # train.global_batch_size is the examples per update, split over those workers.
-    mode: str = "async"
-    backup_workers: int = 0
+    mode: str = field("async", choices=("async", "sync"))
+    backup_workers: int = field(0, minimum=0)
     # "fp16": in async mode each worker pushes its gradients to the ps tasks as
     # float16, and the ps casts them back to float32 for the update: half the
     # bytes of every push (the variables are still read as float32).
     # "none": float32 both ways.
-    compression: str = "none"
+    compression: str = field("none", choices=("none", "fp16"))
 
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
     # MultiWorkerMirroredStrategy's all-reduce: "auto" lets TensorFlow pick,
     # "ring" (gRPC, CPU or GPU) or "nccl" (GPUs only).
-    collective: str = "auto"
+    collective: str = field("auto", choices=("auto", "ring", "nccl"))
     # "fp16": each all-reduce sends the gradients as float16 (Horovod's
     # Compression.fp16, PyTorch DDP's fp16_compress_hook): half the bytes, the
     # sum cast back to float32 before the update. "none": float32 all the way.
-    compression: str = "none"
+    compression: str = field("none", choices=("none", "fp16"))
     # Gradients are all-reduced in packs, last layer first, each closed once it
     # holds more than this many bytes (TensorFlow's
     # CommunicationOptions.bytes_per_pack). A pack is sent as soon as its
     # gradients exist, so the last layers' all-reduce overlaps the backward
     # pass of the first ones. 0: one pack after the whole backward pass
     # (TensorFlow's default).
-    bytes_per_pack: int = 4 * 1024 * 1024
+    bytes_per_pack: int = field(4 * 1024 * 1024, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,19 +175,19 @@ class DebugConfig:
     # Straggler injection (parameter-server runs): worker `slow_worker` sleeps
     # after computing each gradient until its step took `slow_factor` times as
     # long. -1 = off.
-    slow_worker: int = -1
-    slow_factor: float = 1.0
+    slow_worker: int = field(-1, minimum=-1)
+    slow_factor: float = field(1.0, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    keep: int = 3
+    keep: int = field(3, above=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
+    task: TaskConfig = TaskConfig()
     data: DataConfig = DataConfig()
-    model: ModelConfig = ModelConfig()
     train: TrainConfig = TrainConfig()
     eval: EvalConfig = EvalConfig()
     runtime: RuntimeConfig = RuntimeConfig()
@@ -195,35 +198,12 @@ class Config:
     debug: DebugConfig = DebugConfig()
 
 
-_CHOICES = {
-    "data.shard_policy": ("auto", "data", "off"),
-    "model.name": ("cnn", "mlp"),
-    "train.optimizer": ("adam", "sgd"),
-    "train.lr_schedule": ("cosine", "cosine_restarts", "constant"),
-    "train.verbose": ("auto", "0", "1", "2"),
-    "train.precision": ("float32", "mixed_bfloat16", "mixed_float16"),
-    "ps.partitioner": ("min_size", "max_size", "fixed", "none"),
-    "ps.mode": ("async", "sync"),
-    "ps.compression": ("none", "fp16"),
-    "sync.collective": ("auto", "ring", "nccl"),
-    "sync.compression": ("none", "fp16"),
-    "runtime.cpu_allocator": ("bfc", "malloc"),
-    "runtime.strategy": (
-        "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"),
-}
-_POSITIVE = ("train.epochs", "train.global_batch_size", "train.steps_per_execution",
-             "eval.batch_size", "cluster.connect_timeout_s", "ps.shard_bytes", "checkpoint.keep",
-             "train.learning_rate", "train.lr_cycle_epochs", "train.lr_cycle_decay",
-             "runtime.gpu_device_memory_mib")
-_NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_examples",
-                 "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
-                 "runtime.gpu_devices",
-                 "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
-                 "ps.num_shards", "ps.backup_workers", "sync.bytes_per_pack")
-
-
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Defaults, then the TOML file at `path`, then `key=value` overrides; validated."""
+    """Defaults, then the TOML file at `path`, then `key=value` overrides; validated.
+
+    The task's own parameters (the rest of [task]) are checked when the task is
+    found (`app.task.create`), since that may import the user's code.
+    """
     tree = to_dict(Config())
     if path:
         _merge(tree, _read_toml(path), source=path)
@@ -238,7 +218,11 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:
-    return dataclasses.asdict(config)
+    """{section: {key: value}}, with the task's parameters inside [task] beside its name."""
+    tree = {f.name: dataclasses.asdict(getattr(config, f.name))
+            for f in dataclasses.fields(config)}
+    tree["task"] = {"name": config.task.name, **config.task.params}
+    return tree
 
 
 def flatten(config: Config) -> dict[str, Any]:
@@ -257,37 +241,61 @@ def to_toml(config: Config) -> str:
 
 
 def validate(config: Config) -> None:
-    """Checks that need no cluster; the batch/replica check lives with the strategy."""
-    flat = flatten(config)
-    if config.data.shard_policy == "file":
-        raise ConfigError(
-            "data.shard_policy = 'file' needs a source stored as at least one file per "
-            f"worker, but data.name = {config.data.name!r} is read into memory; use auto "
-            "(data), data or off")
-    for key, allowed in _CHOICES.items():
-        if flat[key] not in allowed:
-            raise ConfigError(f"{key} = {flat[key]!r} is not one of {', '.join(allowed)}")
-    for key in _POSITIVE:
-        if flat[key] <= 0:
-            raise ConfigError(f"{key} = {flat[key]} must be > 0")
-    for key in _NON_NEGATIVE:
-        if flat[key] < 0:
-            raise ConfigError(f"{key} = {flat[key]} must be >= 0")
-    if config.debug.slow_worker < -1:
-        raise ConfigError(f"debug.slow_worker = {config.debug.slow_worker} must be a worker "
-                          "index, or -1 for none")
-    if config.debug.slow_factor < 1:
-        raise ConfigError(f"debug.slow_factor = {config.debug.slow_factor} must be >= 1")
-    if not 0 <= config.model.dropout < 1:
-        raise ConfigError(f"model.dropout = {config.model.dropout} must be in [0, 1)")
-    if not 0 <= config.train.final_lr_fraction <= 1:
-        raise ConfigError(
-            f"train.final_lr_fraction = {config.train.final_lr_fraction} must be in [0, 1]")
-    name = config.data.name
-    if name not in ("mnist", "synthetic") and not (name.startswith("tfds:") and len(name) > 5):
-        raise ConfigError(
-            f"data.name = {name!r} is not one of mnist, synthetic, tfds:<name> "
-            "(e.g. tfds:fashion_mnist)")
+    """Every section's field rules, and the checks that span fields; the task's
+    parameters and the batch/replica check come later (task, runner)."""
+    for section in dataclasses.fields(config):
+        if section.name != "task":
+            check_section(section.name, getattr(config, section.name))
+    if not config.task.name:
+        raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
+                          "path like 'my_package.my_module:MyTask'")
+
+
+def check_section(name: str, values: Any) -> None:
+    """Check each field of the dataclass instance `values` against its `field` rules."""
+    for f in dataclasses.fields(values):
+        value, rules = getattr(values, f.name), f.metadata
+        if "choices" in rules and value not in rules["choices"]:
+            raise ConfigError(f"{name}.{f.name} = {value!r} is not one of "
+                              f"{', '.join(rules['choices'])}")
+        if not _within(value, rules):
+            raise ConfigError(f"{name}.{f.name} = {value} must be {_bounds(rules)}")
+
+
+def _within(value: Any, rules: Mapping[str, Any]) -> bool:
+    return not (("minimum" in rules and value < rules["minimum"])
+                or ("above" in rules and value <= rules["above"])
+                or ("maximum" in rules and value > rules["maximum"])
+                or ("below" in rules and value >= rules["below"]))
+
+
+def _bounds(rules: Mapping[str, Any]) -> str:
+    """"> 0", ">= 1", "in [0, 1)": the accepted range, as the error states it."""
+    low = ("[", rules["minimum"]) if "minimum" in rules else ("(", rules.get("above"))
+    high = ("]", rules["maximum"]) if "maximum" in rules else (")", rules.get("below"))
+    if low[1] is not None and high[1] is not None:
+        return f"in {low[0]}{low[1]}, {high[1]}{high[0]}"
+    if low[1] is not None:
+        return f"{'>=' if low[0] == '[' else '>'} {low[1]}"
+    return f"{'<=' if high[0] == ']' else '<'} {high[1]}"
+
+
+def build_section(name: str, kind: type, values: Mapping[str, Any]) -> Any:
+    """An instance of the dataclass `kind` from `values`: unknown keys, wrong types
+    and values outside each field's rules raise ConfigError naming `name.key`."""
+    defaults = {f.name: getattr(kind(), f.name) for f in dataclasses.fields(kind)}
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        known = ", ".join(defaults) or "none"
+        raise ConfigError(f"unknown key '{name}.{unknown[0]}'; keys of [{name}] are {known}")
+    try:
+        instance = kind(**{k: _coerce(f"{name}.{k}", defaults[k], v) for k, v in values.items()})
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:  # a Params' own __post_init__ check
+        raise ConfigError(f"[{name}]: {e}") from None
+    check_section(name, instance)
+    return instance
 
 
 def _read_toml(path: str) -> dict[str, Any]:
@@ -312,6 +320,9 @@ def _merge(tree: dict, updates: dict, source: str) -> None:
 
 def _set_dotted(tree: dict, dotted: str, value: Any, source: str) -> None:
     section, _, key = dotted.partition(".")
+    if section == "task" and key != "name" and key:  # the task's own parameter: checked later
+        tree[section][key] = value
+        return
     if section not in tree:
         raise ConfigError(
             f"{source}: unknown section {section!r} in {dotted!r}; "
@@ -346,6 +357,7 @@ def _parse_value(text: str) -> Any:
 
 
 def _build(tree: dict[str, dict[str, Any]]) -> Config:
-    sections = {f.name: f.type for f in dataclasses.fields(Config)}
     hints = typing.get_type_hints(Config)
-    return Config(**{name: hints[name](**tree[name]) for name in sections})
+    task = dict(tree["task"])
+    sections = {name: hints[name](**tree[name]) for name in hints if name != "task"}
+    return Config(task=TaskConfig(task.pop("name"), task), **sections)

@@ -18,7 +18,8 @@ from typing import Any
 
 import tf_keras as keras
 
-from app import data, models
+from app import data
+from app import task as tasks
 from app.config import Config
 from app.workdir import CHECKPOINT_DIR, METRICS_FILE, write_json
 
@@ -56,9 +57,9 @@ class _Record(keras.callbacks.Callback):
     milliseconds between the restore and this callback.
     """
 
-    def __init__(self, checkpoints: pathlib.Path):
+    def __init__(self, checkpoints: pathlib.Path, metric: str):
         super().__init__()
-        self.checkpoints = checkpoints
+        self.checkpoints, self.metric = checkpoints, metric
         self.results: list[dict[str, Any]] = []
         self._current = ""
 
@@ -72,35 +73,36 @@ class _Record(keras.callbacks.Callback):
         row = {"checkpoint": name, "epoch": int(name.rsplit("-", 1)[-1]) if name else 0,
                **{k: float(v) for k, v in (logs or {}).items()}}
         self.results.append(row)
-        log.info("evaluated %s: accuracy %.4f, loss %.4f", row["checkpoint"],
-                 row.get("accuracy", float("nan")), row.get("loss", float("nan")))
+        log.info("evaluated %s: %s %.4f, loss %.4f", row["checkpoint"], self.metric,
+                 row.get(self.metric, float("nan")), row.get("loss", float("nan")))
 
 
-def run(config: Config, workdir: pathlib.Path, *, datasets: data.Datasets | None = None,
+def run(config: Config, workdir: pathlib.Path, *, task: tasks.Task | None = None,
         wait_for_metrics_s: float = 600.0) -> dict[str, Any]:
     """Evaluate training's checkpoints as they appear; return and record the `eval` section."""
-    datasets = datasets or data.load(config.data, seed=config.train.seed)
-    model = models.build(config.model.name, datasets.image_shape, datasets.num_classes,
-                         dropout=config.model.dropout)
+    if task is None:
+        task, config = tasks.create(config)
+    model = task.build_model()
     # An optimizer of Keras' current type: the evaluator then restores the
     # training step from the checkpoint when it has one, and never demands it.
-    model.compile(optimizer=keras.optimizers.Adam(),
-                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
-    record = _Record(workdir / CHECKPOINT_DIR)
+    model.compile(optimizer=keras.optimizers.Adam(), loss=task.loss(), metrics=task.metrics())
+    record = _Record(workdir / CHECKPOINT_DIR, task.metric)
     Sidecar(
         model,
-        data=data.eval_dataset(datasets.test, config.eval.batch_size),
+        data=data.exact(task.eval_dataset("test", config.eval.batch_size)),
         checkpoint_dir=str(workdir / CHECKPOINT_DIR),
         max_evaluations=config.train.epochs,
         callbacks=[keras.callbacks.TensorBoard(str(workdir / EVAL_DIR / "tensorboard")), record],
         workdir=workdir,
     ).start()
-    section = {"num_test_examples": len(datasets.test), "evaluations": record.results}
+    section: dict[str, Any] = {"evaluations": record.results}
+    if task.eval_examples("test") is not None:
+        section["num_test_examples"] = task.eval_examples("test")
     if record.results:
         last = record.results[-1]
         section.update(checkpoint=last["checkpoint"], epoch=last["epoch"],
-                       test_accuracy=last.get("accuracy"), test_loss=last.get("loss"))
+                       **{f"test_{k}": v for k, v in last.items()
+                          if k not in ("checkpoint", "epoch")})
     add_to_metrics(workdir, "eval", section, wait_s=wait_for_metrics_s)
     return section
 

@@ -29,13 +29,24 @@ def find(directory: pathlib.Path, stem: str) -> pathlib.Path:
         if candidate.is_file():
             return candidate
     raise IdxError(
-        f"{directory / stem}[.gz]: no such file; set data.dir to a directory with the "
+        f"{directory / stem}[.gz]: no such file; set task.dir to a directory with the "
         "four MNIST IDX files, or leave it empty for the bundled copy")
 
 
 def read(path: pathlib.Path, ndim: int) -> np.ndarray:
     """The array stored in the IDX file at `path`, which must have `ndim` dimensions."""
     raw = _read_bytes(path)
+    shape, header = _layout(raw, path, ndim)
+    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+
+
+def layout(path: pathlib.Path, ndim: int) -> tuple[tuple[int, ...], int]:
+    """The shape stored in the IDX file at `path` and its header's length in bytes,
+    after checking that the file holds exactly that (for readers that stream it)."""
+    return _layout(_read_bytes(path), path, ndim)
+
+
+def _layout(raw: bytes, path: pathlib.Path, ndim: int) -> tuple[tuple[int, ...], int]:
     if len(raw) < 4:
         raise IdxError(f"{path}: truncated: {len(raw)} bytes, too short for an IDX header")
     zero, dtype, dims = struct.unpack(">HBB", raw[:4])
@@ -53,19 +64,39 @@ def read(path: pathlib.Path, ndim: int) -> np.ndarray:
         raise IdxError(
             f"{path}: {problem}: header says shape {shape} ({expected} bytes with the header), "
             f"file has {len(raw)} bytes")
-    return np.frombuffer(raw, dtype=np.uint8, offset=header).reshape(shape)
+    return shape, header
 
 
 def read_pair(directory: pathlib.Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     """Images and labels of one MNIST split (`prefix` is "train" or "t10k")."""
-    images_path = find(directory, f"{prefix}-images-idx3-ubyte")
-    labels_path = find(directory, f"{prefix}-labels-idx1-ubyte")
+    images_path, labels_path = paths(directory, prefix)
     images, labels = read(images_path, 3), read(labels_path, 1)
-    if len(images) != len(labels):
-        raise IdxError(
-            f"{images_path} has {len(images)} images but {labels_path} has "
-            f"{len(labels)} labels; the two files must come from the same split")
+    _check_counts(images_path, len(images), labels_path, len(labels))
     return images, labels
+
+
+def paths(directory: pathlib.Path, prefix: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """The images and labels files of one MNIST split."""
+    return (find(directory, f"{prefix}-images-idx3-ubyte"),
+            find(directory, f"{prefix}-labels-idx1-ubyte"))
+
+
+def check_pair(images_path: pathlib.Path, labels_path: pathlib.Path
+               ) -> tuple[int, tuple[int, ...], int, int]:
+    """(examples, image shape, images header bytes, labels header bytes) of a checked
+    pair of files."""
+    (count, *image_shape), image_header = layout(images_path, 3)
+    (labels,), label_header = layout(labels_path, 1)
+    _check_counts(images_path, count, labels_path, labels)
+    return count, tuple(image_shape), image_header, label_header
+
+
+def _check_counts(images_path: pathlib.Path, images: int, labels_path: pathlib.Path,
+                  labels: int) -> None:
+    if images != labels:
+        raise IdxError(
+            f"{images_path} has {images} images but {labels_path} has "
+            f"{labels} labels; the two files must come from the same split")
 
 
 def _read_bytes(path: pathlib.Path) -> bytes:

@@ -11,20 +11,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import input_lib
-from tensorflow.python.distribute.coordinator import values as coordinator_values
+import tf_keras as keras
 
 from app.cluster import Cluster, reachable, wait_for_tasks
 from app.config import ConfigError, PSConfig, RuntimeConfig
 
 log = logging.getLogger(__name__)
-
-Coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator
-
 
 def partitioner(ps: PSConfig, num_ps: int
                 ) -> tf.distribute.experimental.partitioners.Partitioner | None:
@@ -43,14 +39,10 @@ def partitioner(ps: PSConfig, num_ps: int
 
 
 def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
-    """The chief's strategy, with its (per-worker input) coordinator attached."""
+    """The chief's strategy, once every ps and worker task answers."""
     wait_for_tasks(cluster, connect_timeout_s, jobs=("ps", "worker"))
-    strategy = ShardedInputStrategy(cluster.resolver(),
-                                    variable_partitioner=partitioner(ps, cluster.num_ps))
-    # tf_keras' fit() asks for `ClusterCoordinator(strategy)`, which returns the
-    # one already attached to the strategy: this one.
-    ShardedInputCoordinator(strategy)
-    return strategy
+    return tf.distribute.ParameterServerStrategy(
+        cluster.resolver(), variable_partitioner=partitioner(ps, cluster.num_ps))
 
 
 def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,
@@ -92,81 +84,6 @@ def start_server(spec: tf.train.ClusterSpec, job: str, index: int, protocol: str
         config.intra_op_parallelism_threads = intra_op_threads
     tf.distribute.Server(spec, job_name=job, task_index=index, protocol=protocol,
                          config=config, start=True)
-
-
-class ShardedInputStrategy(tf.distribute.ParameterServerStrategy):
-    """ParameterServerStrategy whose `dataset_fn` sees one input pipeline per worker.
-
-    TensorFlow's strategy traces `dataset_fn` once, with an InputContext of a
-    single pipeline, and runs that one dataset on every worker, so all workers
-    read the same data (tensorflow/tensorflow#53080). `ShardedInputCoordinator`
-    traces it once per worker instead, and while it does, `input_worker` tells
-    this strategy which worker's InputContext to pass: pipeline i of
-    num_workers, so `dataset.shard(...)` gives each worker a disjoint part.
-    """
-
-    input_worker: int | None = None
-
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        index = self.input_worker
-        if index is None:
-            return super().distribute_datasets_from_function(dataset_fn, options)
-
-        def worker_dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-            return dataset_fn(tf.distribute.InputContext(
-                num_input_pipelines=self._num_workers, input_pipeline_id=index,
-                num_replicas_in_sync=context.num_replicas_in_sync))
-
-        return super().distribute_datasets_from_function(worker_dataset_fn, options)
-
-
-class ShardedInputCoordinator(Coordinator):
-    """ClusterCoordinator that builds each worker's dataset from its own trace."""
-
-    def create_per_worker_dataset(self, dataset_fn):
-        if not callable(dataset_fn) or not isinstance(self.strategy, ShardedInputStrategy):
-            return super().create_per_worker_dataset(dataset_fn)
-        return _PerWorkerDataset(dataset_fn, self)
-
-
-class _PerWorkerDataset:
-    """What `PerWorkerDatasetFromDatasetFunction` is, with one trace per worker."""
-
-    def __init__(self, dataset_fn, coordinator: ShardedInputCoordinator):
-        self._coordinator = coordinator
-        strategy = coordinator.strategy
-        self._traced = []
-        for index in range(len(coordinator._cluster.workers)):
-            strategy.input_worker = index
-            try:
-                self._traced.append(
-                    coordinator_values.PerWorkerDatasetFromDatasetFunction(dataset_fn, coordinator))
-            finally:
-                strategy.input_worker = None
-
-    @property
-    def element_spec(self):
-        return self._traced[0].element_spec
-
-    def build(self):
-        return self._per_worker(lambda fn: fn(), lambda fn: fn.structured_outputs._type_spec)
-
-    def __iter__(self):
-        strategy = self._coordinator.strategy
-        values = self._per_worker(
-            lambda fn: iter(fn()),
-            lambda fn: input_lib.get_iterator_spec_from_dataset(strategy, fn.structured_outputs))
-        return coordinator_values.PerWorkerDistributedIterator(values._values)
-
-    def _per_worker(self, make, type_spec):
-        """Run `make(dataset_fn)` on each worker as a resource it re-creates on recovery."""
-        remotes = []
-        for worker, traced in zip(self._coordinator._cluster.workers, self._traced, strict=True):
-            fn = traced._dataset_fn
-            remote = worker.create_resource(lambda fn=fn: make(fn))
-            remote._type_spec = type_spec(fn)  # as TensorFlow's own per-worker dataset does
-            remotes.append(remote)
-        return coordinator_values.PerWorkerValues(tuple(remotes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +142,39 @@ def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
             shards.append(Shard(base_name(part.name), task, tuple(part.shape),
                                 part.shape.num_elements() * part.dtype.size))
     return Placement(num_ps, tuple(shards))
+
+
+def local_evaluator(model, local, task) -> Callable[[tf.data.Dataset], dict[str, float]]:
+    """evaluate(dataset) of `model`'s current weights on `local`, a copy built outside
+    the strategy's scope (on the chief), with the task's loss and metrics.
+
+    Keras' own evaluate() cannot be used on the copy: called from a callback
+    inside fit(), it would pick up the ParameterServerStrategy and send the
+    work to the workers. A plain forward pass over the dataset is exact anyway.
+    """
+    loss_fn, metrics = task.loss(), task.metrics()  # created here, on the chief
+    # Summed here: Keras refuses a batch mean inside the strategy's scope.
+    loss_fn.reduction = keras.losses.Reduction.SUM
+
+    @tf.function
+    def step(features, labels) -> tuple[tf.Tensor, tf.Tensor]:
+        predictions = local(features, training=False)
+        count = tf.shape(tf.nest.flatten(labels)[0])[0]
+        for metric in metrics:
+            metric.update_state(labels, predictions)
+        return tf.cast(loss_fn(labels, predictions), tf.float64), count
+
+    def evaluate(dataset: tf.data.Dataset) -> dict[str, float]:
+        local.set_weights(gather_weights(model))
+        for metric in metrics:
+            metric.reset_state()
+        loss = count = 0.0
+        for features, labels in dataset:
+            batch_loss, batch_count = step(features, labels)
+            loss, count = loss + float(batch_loss), count + int(batch_count)
+        return {"loss": loss / count, **{m.name: float(m.result()) for m in metrics}}
+
+    return evaluate
 
 
 def gather_weights(model) -> list[np.ndarray]:

@@ -40,7 +40,8 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
     """The placement and per-step traffic of `config` on `num_ps` ps tasks."""
     import tensorflow as tf
 
-    from app import models, parameter_server, trainer
+    from app import parameter_server, trainer
+    from app import task as tasks
 
     created: list[tf.Variable] = []
 
@@ -49,9 +50,10 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
         created.append(var)
         return var
 
+    task, config = tasks.create(config)
     with tf.variable_creator_scope(record):
-        model = models.build(config.model.name, (28, 28, 1), 10, dropout=config.model.dropout)
-        optimizer = trainer._optimizer(config, steps_per_epoch=1)
+        model = task.build_model()
+        optimizer = trainer.optimizer(config, task, steps_per_epoch=1)
         optimizer.build(model.trainable_variables)
     partitioner = parameter_server.partitioner(config.ps, num_ps)
     trainable = {id(v) for v in model.trainable_variables}
@@ -117,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
         config = cfg.load(args.config, args.set)
         if args.ps < 1:
             raise cfg.ConfigError(f"--ps {args.ps}: need at least 1 ps task")
+        placement, traffic = predict(config, args.ps)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    placement, traffic = predict(config, args.ps)
     print(f"ps.partitioner = {config.ps.partitioner}")
     print("\n".join(placement.report()))
     print("per training step (one batch on one worker):")

@@ -11,6 +11,7 @@ import logging
 
 import tensorflow as tf
 
+from app import tf_internal
 from app.cluster import Cluster
 from app.config import Config, ConfigError, RuntimeConfig
 
@@ -139,12 +140,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         if (options is None or options.experimental_replication_mode != per_replica
                 or len(self.extended.worker_devices) != 1):
             return super().distribute_datasets_from_function(dataset_fn, options)
-        from tensorflow.python.distribute import input_util
-
-        extended = self.extended
-        return input_util.get_distributed_datasets_from_function(
-            dataset_fn, extended._input_workers_with_options(options),
-            [extended._make_input_context()], self, options)
+        return tf_internal.distribute_per_replica(self, dataset_fn, options)
 
 
 def fp16_all_reduce(optimizer_class: type) -> type:

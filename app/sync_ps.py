@@ -36,9 +36,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-# tf.data's sleep transformation is the one sleep TensorFlow can run inside a
-# remote function without burning a core (tf.data's own tests use it).
-from tensorflow.python.data.experimental.ops.testing import sleep as _sleep_transformation
+from app import tf_internal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,9 +54,7 @@ def straggle(values, is_slow: tf.Tensor, factor: float, started: tf.Tensor):
     def wait():
         with tf.control_dependencies(values):
             seconds = (factor - 1.0) * (tf.timestamp() - started)
-        delay = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).apply(
-            _sleep_transformation(tf.cast(seconds * 1e6, tf.int64)))
-        return next(iter(delay))
+        return tf_internal.sleep(tf.cast(seconds * 1e6, tf.int64))
 
     done = tf.cond(is_slow, wait, lambda: tf.constant(0, tf.int64))
     with tf.control_dependencies([done]):
@@ -66,10 +62,12 @@ def straggle(values, is_slow: tf.Tensor, factor: float, started: tf.Tensor):
 
 
 def with_worker_id(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]):
-    """`dataset_fn` whose batches also carry the index of the worker reading them."""
+    """`dataset_fn` whose batches also carry the index of the worker reading them
+    (a ParameterServerStrategy dataset_fn: it runs on that worker)."""
     def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        worker = tf.constant(context.input_pipeline_id, tf.int32)
-        return dataset_fn(context).map(lambda images, labels: (images, labels, worker))
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        worker = tf.cast(index, tf.int32)
+        return dataset_fn(context).map(lambda features, labels: (features, labels, worker))
     return fn
 
 
@@ -87,26 +85,27 @@ class StragglingModel(keras.Model):
 
     def train_step(self, data):
         # Keras' own train step, with the straggler's sleep before the update.
-        images, labels, worker = data
+        features, labels, worker = data
         started = tf.timestamp()
         with tf.GradientTape() as tape:
-            logits = self(images, training=True)
-            loss = self.compute_loss(images, labels, logits)
+            predictions = self(features, training=True)
+            loss = self.compute_loss(features, labels, predictions)
         grads = tape.gradient(loss, self.trainable_variables)
         grads = straggle(grads, worker == self.straggler.worker, self.straggler.factor, started)
         self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
-        return self.compute_metrics(images, labels, logits, None)
+        return self.compute_metrics(features, labels, predictions, None)
 
 
 class SyncTraining:
     """The accumulators, the version counter and the two functions of a sync run."""
 
-    def __init__(self, strategy: tf.distribute.ParameterServerStrategy, model: keras.Model,
-                 loss_fn: keras.losses.Loss, num_workers: int, backup_workers: int,
-                 straggler: Straggler | None = None):
+    def __init__(self, coordinator: tf.distribute.coordinator.ClusterCoordinator,
+                 model: keras.Model, loss_fn: keras.losses.Loss, num_workers: int,
+                 backup_workers: int, straggler: Straggler | None = None):
+        """`loss_fn` gives per-example losses (reduction NONE)."""
         self.model, self.loss_fn, self.straggler = model, loss_fn, straggler
         self.num_workers, self.required = num_workers, num_workers - backup_workers
-        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self.coordinator = coordinator
         self.variables = model.trainable_variables
         ps0 = self.variables[0].device
         # Accumulators live on the ps tasks under their shared names; a fresh suffix keeps
@@ -130,12 +129,12 @@ class SyncTraining:
 
     def _contribute(self, iterator) -> tf.Tensor:
         """On a worker: one gradient of the current parameters, pushed to the accumulators."""
-        images, labels, worker = next(iterator)
+        features, labels, worker = next(iterator)
         started = tf.timestamp()
         step = self.version.read_value()
         with tf.control_dependencies([step]), tf.GradientTape() as tape:
-            logits = self.model(images, training=True)
-            loss = tf.reduce_mean(self.loss_fn(labels, logits))
+            predictions = self.model(features, training=True)
+            loss = tf.reduce_mean(self.loss_fn(labels, predictions))
             if self.model.losses:  # regularizers
                 loss += tf.add_n(self.model.losses)
         grads = tape.gradient(loss, self.variables)

@@ -87,13 +87,16 @@ def main(argv: list[str] | None = None) -> int:
 
             parameter_server.serve(cluster, config.runtime)  # returns when the chief is done
             return 0
+        from app import task as tasks  # TensorFlow starts here (and the task's own code).
+
+        task, config = tasks.create(config)
         workdir = workdirs.prepare(args.workdir or workdirs.default_path(), config)
         log.info("workdir %s", workdir)
 
-        from app import strategy, trainer  # TensorFlow starts here, after all checks.
+        from app import strategy, trainer
 
         strategy.configure_runtime(config.runtime)
-        metrics = trainer.run(config, workdir, cluster=cluster)
+        metrics = trainer.run(config, workdir, task=task, cluster=cluster)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -36,8 +36,8 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
     saved = path / "config.toml"
     if saved.exists() and has_backup(path):
         before = cfg.flatten(cfg.load(str(saved)))
-        changed = [f"{k}: {before[k]!r} -> {v!r}" for k, v in cfg.flatten(config).items()
-                   if before[k] != v]
+        changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in cfg.flatten(config).items()
+                   if before.get(k) != v]
         if changed:
             raise cfg.ConfigError(
                 f"--workdir {path} holds an interrupted run with a different config "

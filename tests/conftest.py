@@ -12,25 +12,39 @@ import tensorflow as tf
 
 from app import cluster as clusters
 from app import config as cfg
-from app import data, strategy
+from app import strategy
+from app.tasks.mnist import Mnist
 
 strategy.split_cpu(2)
 
 
-def tiny_split(n: int, seed: int = 0) -> data.Split:
-    """`n` MNIST-shaped examples whose label is readable from the image (learnable)."""
+def tiny_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """`n` MNIST-shaped (images, labels) whose label is readable from the image (learnable)."""
     rng = np.random.default_rng(seed)
     labels = rng.integers(0, 10, n)
     images = rng.integers(0, 40, (n, 28, 28, 1), dtype=np.uint8)
     for i, label in enumerate(labels):  # a bright bar whose row encodes the class
         images[i, 2 + 2 * label: 4 + 2 * label, 4:24, 0] = 255
-    return data.Split(images, labels.astype(np.int64))
+    return images, labels.astype(np.int64)
+
+
+def tiny_task(config: cfg.Config | None = None) -> Mnist:
+    """The MNIST task on 512 / 64 / 101 tiny learnable examples, with `config`'s task
+    parameters (model, dropout, ...) and seed."""
+    from app import task as tasks
+
+    config = config or cfg.Config()
+    _, resolved = tasks.create(config)
+    params = Mnist.Params(**resolved.task.params)
+    return Mnist.from_arrays(tiny_split(512), tiny_split(64, seed=1), tiny_split(101, seed=2),
+                             params, seed=config.train.seed,
+                             shard_policy=config.data.shard_policy)
 
 
 @pytest.fixture(scope="module")
-def tiny_datasets() -> data.Datasets:
-    return data.Datasets(train=tiny_split(512), validation=tiny_split(64, seed=1),
-                         test=tiny_split(101, seed=2), num_classes=10)
+def tiny_datasets() -> tuple:
+    """The (images, labels) of tiny_task's train, validation and test splits."""
+    return tiny_split(512), tiny_split(64, seed=1), tiny_split(101, seed=2)
 
 
 @pytest.fixture(scope="session")

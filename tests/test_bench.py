@@ -14,7 +14,7 @@ def sets(args: list[str]) -> list[str]:
 
 def test_runs_are_pure_training_of_the_asked_steps():
     args = bench.train_args("configs/mnist.toml", ["train.global_batch_size=64"], steps=10)
-    assert "data.train_examples=640" in sets(args) and "data.validation_examples=0" in sets(args)
+    assert "task.train_examples=640" in sets(args) and "task.validation_examples=0" in sets(args)
     assert "eval.test_every_epoch=false" in sets(args) and "train.epochs=1" in sets(args)
 
 

@@ -6,17 +6,18 @@ from tf_keras.src.utils import sidecar_evaluator
 
 from app import config as cfg
 from app import evaluator, trainer
+from tests.conftest import tiny_task
 
 SETTINGS = ["train.epochs=2", "train.global_batch_size=32", "eval.test_every_epoch=false",
             "train.verbose=0"]
 
 
 @pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, tiny_datasets):
+def finished_run(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
     config = cfg.load(None, SETTINGS)
     metrics = trainer.run(config, workdir, strategy=tf.distribute.get_strategy(),
-                          datasets=tiny_datasets)
+                          task=tiny_task(config))
     return workdir, metrics
 
 
@@ -26,9 +27,10 @@ def fast_timeout(monkeypatch):
     monkeypatch.setattr(sidecar_evaluator, "_CHECKPOINT_TIMEOUT_SEC", 1)
 
 
-def test_evaluates_the_last_checkpoint_like_the_chief(finished_run, tiny_datasets):
+def test_evaluates_the_last_checkpoint_like_the_chief(finished_run):
     workdir, metrics = finished_run
-    section = evaluator.run(cfg.load(None, SETTINGS), workdir, datasets=tiny_datasets)
+    config = cfg.load(None, SETTINGS)
+    section = evaluator.run(config, workdir, task=tiny_task(config))
     assert section["checkpoint"] == "ckpt-2" and section["epoch"] == 2
     # The same weights on the same 101 test images as the chief's own final evaluation.
     assert section["test_accuracy"] == pytest.approx(metrics["test_accuracy"], abs=1e-6)
@@ -38,19 +40,19 @@ def test_evaluates_the_last_checkpoint_like_the_chief(finished_run, tiny_dataset
     assert any((workdir / "eval" / "tensorboard").rglob("events.out.tfevents.*"))
 
 
-def test_stops_when_training_finished_short_of_its_epochs(finished_run, tiny_datasets,
+def test_stops_when_training_finished_short_of_its_epochs(finished_run,
                                                           fast_timeout):
     workdir, _ = finished_run
     # Asked for 5 epochs, training stopped after 2: without metrics.json as the
     # signal, Keras' evaluator would wait for ckpt-5 forever.
     config = cfg.load(None, [*SETTINGS, "train.epochs=5"])
-    section = evaluator.run(config, workdir, datasets=tiny_datasets)
+    section = evaluator.run(config, workdir, task=tiny_task(config))
     assert section["epoch"] == 2
 
 
-def test_without_metrics_the_section_is_kept_in_eval_json(tmp_path, tiny_datasets, fast_timeout):
+def test_without_metrics_the_section_is_kept_in_eval_json(tmp_path, fast_timeout):
     config = cfg.load(None, SETTINGS)
-    trainer.run(config, tmp_path, strategy=tf.distribute.get_strategy(), datasets=tiny_datasets)
+    trainer.run(config, tmp_path, strategy=tf.distribute.get_strategy(), task=tiny_task(config))
     (tmp_path / "metrics.json").unlink()  # as if the chief had died after its last checkpoint
-    section = evaluator.run(config, tmp_path, datasets=tiny_datasets, wait_for_metrics_s=0.1)
+    section = evaluator.run(config, tmp_path, task=tiny_task(config), wait_for_metrics_s=0.1)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == {"eval": section}

@@ -4,7 +4,8 @@ import struct
 import numpy as np
 import pytest
 
-from app import data, idx
+from app import idx
+from app.tasks.mnist import BUNDLED
 
 
 def write_idx(path, array, magic=None):
@@ -95,13 +96,13 @@ def test_missing_file(tmp_path):
     with pytest.raises(idx.IdxError) as e:
         idx.read_pair(tmp_path, "train")
     assert str(e.value) == (f"{tmp_path}/train-images-idx3-ubyte[.gz]: no such file; set "
-                            "data.dir to a directory with the four MNIST IDX files, or leave "
+                            "task.dir to a directory with the four MNIST IDX files, or leave "
                             "it empty for the bundled copy")
 
 
 def test_bundled_mnist_is_the_real_one():
-    images, labels = idx.read_pair(data.BUNDLED_MNIST, "t10k")
+    images, labels = idx.read_pair(BUNDLED, "t10k")
     assert images.shape == (10000, 28, 28)
     assert np.bincount(labels).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
-    train_images, _ = idx.read_pair(data.BUNDLED_MNIST, "train")
+    train_images, _ = idx.read_pair(BUNDLED, "train")
     assert train_images.shape == (60000, 28, 28)

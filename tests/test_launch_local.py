@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     workdir = tmp_path / "run"
     args = [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "1",
-            "--set", "data.train_examples=6000", "--set", "data.validation_examples=500",
-            "--set", "data.test_examples=500", "--set", "train.epochs=2",
+            "--set", "task.train_examples=6000", "--set", "task.validation_examples=500",
+            "--set", "task.test_examples=500", "--set", "train.epochs=2",
             "--set", "train.verbose=2", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -42,8 +42,8 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
 def test_evaluator_task_evaluates_the_chiefs_checkpoints(tmp_path):
     workdir = tmp_path / "run"
     args = [sys.executable, "-u", "-m", "launch.local", "--workers", "1", "--ps", "1",
-            "--evaluator", "--set", "data.train_examples=3000",
-            "--set", "data.validation_examples=0", "--set", "data.test_examples=300",
+            "--evaluator", "--set", "task.train_examples=3000",
+            "--set", "task.validation_examples=0", "--set", "task.test_examples=300",
             "--set", "train.epochs=2", "--set", "eval.test_every_epoch=false",
             "--set", "train.verbose=0", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}

@@ -15,8 +15,8 @@ pytestmark = pytest.mark.slow
 
 # 1000 training examples (31 steps of 32 a worker pair shares) and 101 test
 # images: neither divides over 2 workers (the uneven-data pitfall, TF #36153).
-SMALL = ["--set", "data.train_examples=1500", "--set", "data.validation_examples=500",
-         "--set", "data.test_examples=101", "--set", "train.verbose=2"]
+SMALL = ["--set", "task.train_examples=1500", "--set", "task.validation_examples=500",
+         "--set", "task.test_examples=101", "--set", "train.verbose=2"]
 
 
 def launch(tmp_path, *args: str) -> subprocess.Popen:
@@ -63,11 +63,13 @@ def test_a_killed_worker_is_relaunched_and_resumes_from_the_backup(tmp_path):
 # batches of examples numbered 0..99 through the input path fit() uses.
 READ_SHARD = """
 import json, numpy as np, tensorflow as tf
-from app import cluster, data, strategy
+from app import cluster, strategy
+from app.tasks.mnist import Mnist
 s = strategy.create("auto", cluster.read())
 images = np.zeros((100, 28, 28, 1), np.uint8)
-split = data.Split(images, np.arange(100, dtype=np.int64))
-fn = data.train_dataset_fn(split, global_batch_size=10, shuffle_buffer=0)
+split = images, np.arange(100, dtype=np.int64)
+task = Mnist.from_arrays(split, None, split, Mnist.Params(shuffle_buffer=0))
+fn = lambda context: task.train_dataset(context, global_batch_size=10)
 options = strategy.input_options(s)
 it = iter(s.distribute_datasets_from_function(fn, options))
 ids = [int(v) for _ in range(2) for y in s.experimental_local_results(next(it)[1]) for v in y]
@@ -103,11 +105,12 @@ def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
 # traced on each worker: one collective all-reduce op per pack.
 COUNT_PACKS = """
 import sys, tensorflow as tf, tf_keras
-from app import cluster, config, models, strategy
+from app import cluster, config, strategy
+from app.tasks import mnist
 conf = config.load(None, [f"sync.bytes_per_pack={sys.argv[1]}"])
 s = strategy.create("auto", cluster.read(), conf)
 with s.scope():
-    model = models.cnn((28, 28, 1), 10, dropout=0.5)
+    model = mnist.cnn((28, 28, 1), 10, dropout=0.5)
     optimizer = tf_keras.optimizers.Adam()
 
 @tf.function
@@ -121,7 +124,7 @@ def step(images, labels):
             list(zip(grads, model.trainable_variables)))]
     return s.run(replica_step, args=(images, labels))
 
-specs = tf.TensorSpec([4, 28, 28, 1]), tf.TensorSpec([4], tf.int64)
+specs = tf.TensorSpec([4, 28, 28, 1], tf.uint8), tf.TensorSpec([4], tf.int64)
 graph = step.get_concrete_function(*specs).graph
 print("PACKS", sum(op.type.startswith("CollectiveReduce") for op in graph.get_operations()))
 """

@@ -14,8 +14,8 @@ from tests.launching import kill_on_line
 
 pytestmark = pytest.mark.slow
 
-SMALL = ["--set", "data.train_examples=3000", "--set", "data.validation_examples=0",
-         "--set", "data.test_examples=300", "--set", "train.epochs=2",
+SMALL = ["--set", "task.train_examples=3000", "--set", "task.validation_examples=0",
+         "--set", "task.test_examples=300", "--set", "train.epochs=2",
          "--set", "eval.test_every_epoch=false", "--set", "train.verbose=2"]
 
 

@@ -1,3 +1,4 @@
+import functools
 import json
 
 import numpy as np
@@ -7,9 +8,9 @@ import tf_keras as keras
 
 from app import cluster as clusters
 from app import config as cfg
-from app import data
 from app import strategy as strategies
 from app.config import ConfigError
+from app.tasks.mnist import Mnist
 from tests.conftest import one_device_reduction_mirrored, tiny_split
 
 MULTI_WORKER = clusters.parse(json.dumps(
@@ -75,12 +76,13 @@ def test_mirrored_on_cpus_feeds_each_replica_its_own_shard_of_the_training_input
     s = strategies.create("mirrored")
     options = strategies.input_options(s)
     assert options.experimental_replication_mode == tf.distribute.InputReplicationMode.PER_REPLICA
-    dataset_fn = data.train_dataset_fn(tiny_split(64), global_batch_size=8, shuffle_buffer=0)
+    task = Mnist.from_arrays(tiny_split(64), None, tiny_split(8), Mnist.Params(shuffle_buffer=0))
+    dataset_fn = functools.partial(task.train_dataset, global_batch_size=8)
     batch = next(iter(s.distribute_datasets_from_function(dataset_fn, options)))
     per_replica = [images.numpy() for images in s.experimental_local_results(batch[0])]
     assert [len(p) for p in per_replica] == [4, 4]  # the global batch split over 2 replicas
     # Replica i reads shard i: examples i, i + 2, ... of the training set.
-    expected = [data.preprocess(tiny_split(64).images[i:8:2], None)[0] for i in (0, 1)]
+    expected = [tiny_split(64)[0][i:8:2] for i in (0, 1)]
     np.testing.assert_array_equal(per_replica[0], expected[0])
     np.testing.assert_array_equal(per_replica[1], expected[1])
 

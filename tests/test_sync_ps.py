@@ -5,10 +5,11 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as keras
-from conftest import tiny_split
 
 from app import config as cfg
-from app import data, sync_ps, trainer
+from app import runners, sync_ps, trainer
+from app.tasks.mnist import Mnist
+from tests.conftest import tiny_split, tiny_task
 
 pytestmark = pytest.mark.cluster
 
@@ -41,11 +42,11 @@ def _train(strategy, backup_workers: int, steps: int, straggler=None):
     with strategy.scope():
         model = _model()
     training = sync_ps.SyncTraining(
-        strategy, model, keras.losses.SparseCategoricalCrossentropy(
-            from_logits=True, reduction="none"),
+        tf.distribute.coordinator.ClusterCoordinator(strategy), model,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none"),
         num_workers=2, backup_workers=backup_workers, straggler=straggler)
-    _, figures = sync_ps.fit(training, _in_order, epochs=1, steps_per_epoch=steps,
-                             callbacks=[])
+    _, figures = sync_ps.fit(training, runners.per_worker(_in_order, num_workers=2), epochs=1,
+                             steps_per_epoch=steps, callbacks=[])
     return model, figures
 
 
@@ -86,8 +87,9 @@ def _config(*overrides: str) -> cfg.Config:
                            "eval.batch_size=32", "ps.mode=sync", *overrides])
 
 
-def test_sync_run_reports_its_mode_and_contributions(ps_strategy, tiny_datasets, tmp_path):
-    metrics = trainer.run(_config(), tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+def test_sync_run_reports_its_mode_and_contributions(ps_strategy, ps_cluster, tmp_path):
+    metrics = trainer.run(_config(), tmp_path, strategy=ps_strategy,
+                          cluster=ps_cluster, task=tiny_task(_config()))
     steps = 2 * 512 // 16
     assert (metrics["mode"], metrics["backup_workers"], metrics["steps"]) == ("sync", 0, steps)
     assert metrics["contributions"] == [steps, steps] and metrics["stale_dropped"] == 0
@@ -98,9 +100,10 @@ def test_sync_run_reports_its_mode_and_contributions(ps_strategy, tiny_datasets,
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_run_with_a_straggler(mode, ps_strategy, tiny_datasets, tmp_path):
+def test_run_with_a_straggler(mode, ps_strategy, ps_cluster, tmp_path):
     config = _config(f"ps.mode={mode}", "debug.slow_worker=1", "debug.slow_factor=2")
-    metrics = trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+    metrics = trainer.run(config, tmp_path, strategy=ps_strategy,
+                          cluster=ps_cluster, task=tiny_task(config))
     assert (metrics["mode"], metrics["slow_worker"], metrics["slow_factor"]) == (mode, 1, 2.0)
     assert metrics["steps"] == 2 * 512 // 16
     assert ("contributions" in metrics) == (mode == "sync")
@@ -115,15 +118,15 @@ def test_run_with_a_straggler(mode, ps_strategy, tiny_datasets, tmp_path):
                                      "ps.backup_workers) (2); use 14 or 16"),
     (["debug.slow_worker=2"], "debug.slow_worker = 2 is not a worker of this cluster (0 to 1)"),
 ])
-def test_sync_settings_are_checked_against_the_cluster(ps_strategy, tmp_path, overrides,
-                                                       message):
-    datasets = data.Datasets(train=tiny_split(60), validation=None, test=tiny_split(10),
-                             num_classes=10)
+def test_sync_settings_are_checked_against_the_cluster(ps_strategy, ps_cluster, tmp_path,
+                                                       overrides, message):
     config = _config("train.epochs=1", *overrides)
+    task = Mnist.from_arrays(tiny_split(60), None, tiny_split(10))
     if message is None:  # one worker's gradient per update: any batch divides
-        assert trainer.run(config, tmp_path, strategy=ps_strategy,
-                           datasets=datasets)["backup_workers"] == 1
+        assert trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
+                           task=task)["backup_workers"] == 1
         return
     with pytest.raises(cfg.ConfigError) as e:
-        trainer.run(config, tmp_path, strategy=ps_strategy, datasets=datasets)
+        trainer.run(config, tmp_path, strategy=ps_strategy,
+                          cluster=ps_cluster, task=task)
     assert str(e.value) == message

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-SMALL = ["--set", "data.train_examples=2000", "--set", "data.validation_examples=200",
-         "--set", "data.test_examples=500", "--set", "train.epochs=2",
+SMALL = ["--set", "task.train_examples=2000", "--set", "task.validation_examples=200",
+         "--set", "task.test_examples=500", "--set", "train.epochs=2",
          "--set", "train.verbose=0"]
 
 

@@ -1,5 +1,4 @@
 import json
-import types
 
 import numpy as np
 import pytest
@@ -8,7 +7,7 @@ import tf_keras as keras
 
 from app import callbacks, strategy, trainer
 from app import config as cfg
-from tests.conftest import one_device_reduction_mirrored
+from tests.conftest import one_device_reduction_mirrored, tiny_task
 
 FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_size",
           "epochs_completed", "steps", "test_accuracy", "test_loss",
@@ -18,12 +17,12 @@ FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_siz
 @pytest.fixture(scope="module")
 def mirrored_run(tmp_path_factory, tiny_datasets):
     """Three epochs of Mirrored training over 2 logical CPUs, on tiny learnable data."""
-    tiny = tiny_datasets
     workdir = tmp_path_factory.mktemp("run")
     config = cfg.load(None, ["train.epochs=3", "train.global_batch_size=32",
                              "train.learning_rate=0.003", "eval.batch_size=20"])
-    metrics = trainer.run(config, workdir, strategy=strategy.create("mirrored"), datasets=tiny)
-    return workdir, metrics, tiny
+    metrics = trainer.run(config, workdir, strategy=strategy.create("mirrored"),
+                          task=tiny_task(config))
+    return workdir, metrics, tiny_datasets
 
 
 def test_mirrored_run_reports_metrics_and_writes_artifacts(mirrored_run):
@@ -46,10 +45,11 @@ def test_test_accuracy_counts_every_test_image_exactly_once(mirrored_run):
     """101 images over 2 replicas in batches of 20: nothing dropped, nothing doubled."""
     workdir, metrics, tiny = mirrored_run
     model = keras.models.load_model(workdir / "export")
-    logits = model.predict(tiny.test.images.astype(np.float32) / 255.0, verbose=0)
-    expected = np.mean(np.argmax(logits, axis=1) == tiny.test.labels)
+    images, labels = tiny[2]
+    logits = model.predict(images, verbose=0)  # raw uint8 pixels: the export scales them
+    expected = np.mean(np.argmax(logits, axis=1) == labels)
     assert metrics["test_accuracy"] == pytest.approx(expected, abs=1e-6)
-    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(tiny.test.labels, logits)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(labels, logits)
     assert metrics["test_loss"] == pytest.approx(float(loss), rel=1e-4)
 
 
@@ -57,14 +57,14 @@ def test_global_batch_must_split_over_replicas(tmp_path, tiny_datasets):
     config = cfg.load(None, ["train.global_batch_size=33"])
     with pytest.raises(cfg.ConfigError, match=r"global_batch_size \(33\) must be divisible by "
                                               r"the number of replicas \(2\); use 32 or 34"):
-        trainer.run(config, tmp_path, strategy=strategy.create("mirrored"), datasets=tiny_datasets)
+        trainer.run(config, tmp_path, strategy=strategy.create("mirrored"), task=tiny_task(config))
 
 
 def test_batch_larger_than_the_training_set(tmp_path, tiny_datasets):
     config = cfg.load(None, ["train.global_batch_size=1024"])
     with pytest.raises(cfg.ConfigError, match=r"\(1024\) is larger than the training set "
                                               r"\(512 examples\)"):
-        trainer.run(config, tmp_path, strategy=strategy.create("default"), datasets=tiny_datasets)
+        trainer.run(config, tmp_path, strategy=strategy.create("default"), task=tiny_task(config))
 
 
 def test_throughput_leaves_out_warmup_and_epoch_starts(monkeypatch):
@@ -94,8 +94,7 @@ def test_throughput_under_a_coordinator_times_steps_run_not_scheduled(monkeypatc
     coordinator = Coordinator()
     clock = iter([10.0, 14.0, 50.0, 52.0])
     monkeypatch.setattr(callbacks.time, "perf_counter", lambda: next(clock))
-    meter = callbacks.Throughput(global_batch_size=10, warmup_steps=4)
-    meter.set_model(types.SimpleNamespace(_cluster_coordinator=coordinator))
+    meter = callbacks.Throughput(global_batch_size=10, warmup_steps=4, coordinator=coordinator)
     for epoch in range(2):
         meter.on_epoch_begin(epoch)
         for step in range(8):  # scheduled at once; they run later
@@ -134,7 +133,7 @@ def test_cosine_decays_once_over_the_whole_run():
 def test_compression_without_an_all_reduce_is_refused(tmp_path, tiny_datasets):
     config = cfg.load(None, ["sync.compression=fp16", "train.epochs=1"])
     with pytest.raises(cfg.ConfigError) as e:
-        trainer.run(config, tmp_path, strategy=strategy.create("default"), datasets=tiny_datasets)
+        trainer.run(config, tmp_path, strategy=strategy.create("default"), task=tiny_task(config))
     assert str(e.value) == ("sync.compression = fp16 compresses the all-reduce of "
                             "MultiWorkerMirrored and Mirrored runs, and this run has none "
                             "(DefaultStrategy); set it to none")
@@ -145,11 +144,11 @@ def test_fp16_compressed_run_learns_and_exports_a_loadable_model(tmp_path, tiny_
     config = cfg.load(None, ["sync.compression=fp16", "train.epochs=2",
                              "train.learning_rate=0.003", "eval.batch_size=20"])
     metrics = trainer.run(config, tmp_path, strategy=one_device_reduction_mirrored(),
-                          datasets=tiny_datasets)
+                          task=tiny_task(config))
     losses = [epoch["loss"] for epoch in metrics["history"]]
     assert losses[-1] < losses[0]
     model = keras.models.load_model(tmp_path / "export")
-    assert model.predict(tiny_datasets.test.images[:4] / 255.0, verbose=0).shape == (4, 10)
+    assert model.predict(tiny_datasets[2][0][:4], verbose=0).shape == (4, 10)
 
 
 @pytest.mark.parametrize("override, message", [
@@ -166,6 +165,6 @@ def test_parameter_server_settings_without_ps_tasks_are_refused(override, messag
     config = cfg.load(None, [override, "train.epochs=1"])
     with pytest.raises(cfg.ConfigError) as e:
         trainer.run(config, tmp_path, strategy=strategy.create("default"),
-                    datasets=tiny_datasets)
+                    task=tiny_task(config))
     assert str(e.value) == message
     assert list(tmp_path.iterdir()) == []  # refused before anything was written

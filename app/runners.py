@@ -1,0 +1,365 @@
+"""One runner per strategy kind: everything that differs between ways of distributing.
+
+The trainer calls the same few methods whichever runner it has (torchtitan's
+`TrainSpec`, Lightning Fabric's `Strategy`):
+
+- `SingleHost`: the default strategy or MirroredStrategy on one host;
+- `MultiWorker`: MultiWorkerMirroredStrategy, every worker runs the loop;
+- `AsyncPS`: ParameterServerStrategy with Keras fit through a ClusterCoordinator;
+- `SyncPS`: ParameterServerStrategy with the synchronous loop of app/sync_ps.py.
+
+Each owns its config checks, the batch its input pipelines build, who writes
+outputs, exact evaluation, the fit loop, what is exported and its extra metrics.
+`create` is the one place that asks which strategy there is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from app import parameter_server, sync_ps
+from app import strategy as strategies
+from app.cluster import TaskLost, lost_ps
+from app.config import Config, ConfigError
+from app.task import Task
+
+log = logging.getLogger(__name__)
+
+Evaluate = Callable[[tf.data.Dataset], dict[str, float]]
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+class SingleHost:
+    """The default strategy or MirroredStrategy: one process trains and writes."""
+
+    resumable = True  # fit() resumes from BackupAndRestore's state
+
+    def __init__(self, strategy: tf.distribute.Strategy, config: Config):
+        self.strategy, self.config = strategy, config
+        self.name = strategies.describe(strategy)
+        self.all_reduces = self.name == "MirroredStrategy"
+        self.coordinator = None
+
+    # -- checks and sizes -------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse settings this kind of run cannot honour, before anything is written."""
+        self._refuse("ps.mode", self.config.ps.mode != "async", "ps.mode = sync is "
+                     "parameter-server training and this run has no ps tasks ({name}); give "
+                     "TF_CONFIG chief, worker and ps jobs, or use ps.mode = async")
+        self._refuse("debug.slow_worker", self.config.debug.slow_worker >= 0,
+                     f"debug.slow_worker = {self.config.debug.slow_worker} slows a worker of a "
+                     "parameter-server cluster, and this run has none ({name}); set it to -1")
+        self._refuse("ps.compression", self.config.ps.compression != "none",
+                     f"ps.compression = {self.config.ps.compression} compresses the gradients "
+                     "workers push to ps tasks, and this run has none ({name}); set it to none")
+        self._refuse("sync.compression", self.config.sync.compression != "none"
+                     and not self.all_reduces,
+                     f"sync.compression = {self.config.sync.compression} compresses the "
+                     "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
+                     "none ({name}); set it to none")
+        strategies.check_batch(self.config.train.global_batch_size, self.num_replicas)
+
+    def _refuse(self, key: str, refused: bool, message: str) -> None:
+        if refused:
+            raise ConfigError(message.format(name=self.name))
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @property
+    def num_ps(self) -> int:
+        return 0
+
+    @property
+    def input_batch(self) -> int:
+        """The global batch the input pipelines split (`get_per_replica_batch_size`)."""
+        return self.config.train.global_batch_size
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's results where the user looks."""
+        return True
+
+    def outdir(self, workdir: pathlib.Path) -> pathlib.Path:
+        return workdir if self.writes else pathlib.Path(tempfile.mkdtemp(prefix="outputs-"))
+
+    @contextlib.contextmanager
+    def guard(self, workdir: pathlib.Path) -> Iterator[None]:
+        """Turn the failures of this kind of run into the errors users act on."""
+        yield
+
+    # -- the run -----------------------------------------------------------------------
+
+    def build(self, task: Task, optimizer: keras.optimizers.Optimizer) -> keras.Model:
+        """The task's model, its variables created under the strategy, compiled."""
+        with self.strategy.scope():
+            model = self.wrap(task.build_model())
+            model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+                          steps_per_execution=self.config.train.steps_per_execution,
+                          jit_compile=self.config.train.jit_compile)
+            model.optimizer.build(model.trainable_variables)  # slots now, for placement
+        return model
+
+    def wrap(self, model: keras.Model) -> keras.Model:
+        return model
+
+    def report(self) -> list[str]:
+        """Lines for the log once the model is built (where its variables live)."""
+        return []
+
+    def evaluator(self, model: keras.Model, task: Task) -> Evaluate:
+        """evaluate(dataset) -> {"loss": ..., metric: ...}, every example exactly once."""
+        return lambda dataset: model.evaluate(dataset, verbose=0, return_dict=True)
+
+    def fit(self, model: keras.Model, dataset_fn: DatasetFn,
+            callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
+            ) -> keras.callbacks.History:
+        return model.fit(
+            keras.utils.experimental.DatasetCreator(
+                dataset_fn, input_options=strategies.input_options(self.strategy)),
+            epochs=self.config.train.epochs, steps_per_epoch=steps_per_epoch,
+            callbacks=callbacks, verbose=_verbose(self.config.train.verbose))
+
+    def serving(self, model: keras.Model) -> keras.Model:
+        """The trained model to export."""
+        return model
+
+    def metrics(self, model: keras.Model) -> dict[str, Any]:
+        """What metrics.json records about this kind of run beyond the common fields."""
+        return {}
+
+    def finish(self, outdir: pathlib.Path, workdir: pathlib.Path) -> None:
+        if outdir != workdir:
+            shutil.rmtree(outdir, ignore_errors=True)
+
+
+class MultiWorker(SingleHost):
+    """MultiWorkerMirroredStrategy: every worker runs the same loop and takes part in
+    every collective, saving included; only the chief writes where the user looks."""
+
+    def __init__(self, strategy, config, cluster=None):
+        super().__init__(strategy, config)
+        self.cluster, self.all_reduces = cluster, True
+
+    @property
+    def num_workers(self) -> int:
+        spec = self.strategy.cluster_resolver.cluster_spec()
+        return max(1, sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs))
+
+    @property
+    def writes(self) -> bool:
+        return self.cluster is None or self.cluster.is_chief
+
+    def metrics(self, model):
+        # The same on every worker, if synchronous training kept its promise.
+        digest = weights_digest(model)
+        log.info("weights sha256 %s", digest)
+        return {"weights_sha256": digest}
+
+
+class AsyncPS(SingleHost):
+    """ParameterServerStrategy: the chief runs Keras fit, whose steps a
+    ClusterCoordinator schedules on the workers; variables live on the ps tasks."""
+
+    def __init__(self, strategy, config, cluster):
+        super().__init__(strategy, config)
+        if cluster is None:
+            raise ValueError("a parameter-server run needs its cluster (app.cluster.Cluster)")
+        self.cluster = cluster
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        self._workers, self._ps = cluster.num_workers, cluster.num_ps
+        self.straggler = self._straggler()
+        self.placement: parameter_server.Placement | None = None
+        self._local: keras.Model | None = None
+
+    def check(self) -> None:
+        self._refuse("sync.compression", self.config.sync.compression != "none",
+                     f"sync.compression = {self.config.sync.compression} compresses the "
+                     "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
+                     "none ({name}); set it to none")
+        strategies.check_batch(self.config.train.global_batch_size, self.num_replicas)
+
+    def _straggler(self) -> sync_ps.Straggler | None:
+        index = self.config.debug.slow_worker
+        if index < 0:
+            return None
+        if index >= self._workers:
+            raise ConfigError(f"debug.slow_worker = {index} is not a worker of this cluster "
+                              f"(0 to {self._workers - 1})")
+        return sync_ps.Straggler(index, self.config.debug.slow_factor)
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers
+
+    @property
+    def num_ps(self) -> int:
+        return self._ps
+
+    @contextlib.contextmanager
+    def guard(self, workdir):
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            # The coordinator stops at the first unreachable ps (its variables are
+            # gone); carrying on is impossible, waiting is pointless.
+            raise TaskLost(
+                f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} became "
+                f"unreachable; training stopped. Restart the whole job (launch.local "
+                f"--max-restarts, or the cluster's restart policy): it resumes from "
+                f"{workdir / 'backup'}") from None
+
+    def build(self, task, optimizer):
+        model = super().build(task, optimizer)
+        self.placement = parameter_server.placement(
+            model.variables + model.optimizer.variables(), self._ps)
+        return model
+
+    def report(self):
+        return self.placement.report()
+
+    def wrap(self, model):
+        return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
+
+    def evaluator(self, model, task):
+        # Evaluation runs on the chief, on a local copy of the weights: exact (every
+        # example once), where evaluating through the coordinator is not.
+        self._local = task.build_model()  # outside the strategy's scope: on the chief
+        return parameter_server.local_evaluator(model, self._local, task)
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch):
+        dataset_fn = per_worker(dataset_fn, self._workers)
+        if self.straggler:  # its train step needs to know which worker reads the batch
+            dataset_fn = sync_ps.with_worker_id(dataset_fn)
+        return super().fit(model, dataset_fn, callbacks, steps_per_epoch)
+
+    def serving(self, model):
+        self._local.set_weights(parameter_server.gather_weights(model))
+        return self._local
+
+    def metrics(self, model):
+        figures = {"ps_bytes": self.placement.ps_bytes, "ps_balance": self.placement.balance,
+                   "ps_partitioner": self.config.ps.partitioner, "mode": self.config.ps.mode,
+                   "backup_workers": 0}
+        if self.straggler:
+            figures["slow_worker"] = self.straggler.worker
+            figures["slow_factor"] = self.straggler.factor
+        return figures
+
+
+class SyncPS(AsyncPS):
+    """ParameterServerStrategy in `ps.mode = sync`: each update averages the first
+    `workers - backup_workers` gradients (app/sync_ps.py); a global batch is the
+    examples of one update, split over those workers."""
+
+    resumable = False  # its own loop: BackupAndRestore restores fit()'s only
+
+    def __init__(self, strategy, config, cluster):
+        super().__init__(strategy, config, cluster)
+        self.figures: dict[str, Any] = {}
+
+    def check(self) -> None:
+        backup = self.config.ps.backup_workers
+        if backup >= self._workers:
+            raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
+                              f"workers ({self._workers}): each update needs at least one "
+                              "gradient")
+        self._refuse("ps.compression", self.config.ps.compression != "none",
+                     f"ps.compression = {self.config.ps.compression} applies to ps.mode = "
+                     f"async; ps.mode = {self.config.ps.mode} sends its gradients through "
+                     "accumulators in float32. Set one of them back")
+        super().check()
+        strategies.check_batch(self.config.train.global_batch_size, self.required,
+                               "the workers each update waits for (workers - "
+                               "ps.backup_workers)")
+
+    @property
+    def required(self) -> int:
+        return self._workers - self.config.ps.backup_workers
+
+    @property
+    def input_batch(self) -> int:
+        # Each worker's batch is 1/required of an update's examples; the input
+        # pipeline splits its global batch over one replica.
+        return self.config.train.global_batch_size // self.required
+
+    def wrap(self, model):
+        return model  # the straggler sleeps in sync_ps's own step
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch):
+        loss = self._task_loss
+        training = sync_ps.SyncTraining(
+            self.coordinator, model, loss, num_workers=self._workers,
+            backup_workers=self.config.ps.backup_workers, straggler=self.straggler)
+        history, self.figures = sync_ps.fit(
+            training, per_worker(dataset_fn, self._workers), epochs=self.config.train.epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+            verbose=_verbose(self.config.train.verbose))
+        return history
+
+    def build(self, task, optimizer):
+        self._task_loss = task.loss()
+        # Per-example losses: sync_ps averages them itself (Keras refuses a batch
+        # mean inside a function the coordinator schedules).
+        self._task_loss.reduction = keras.losses.Reduction.NONE
+        return super().build(task, optimizer)
+
+    def metrics(self, model):
+        return {**super().metrics(model), "backup_workers": self.config.ps.backup_workers,
+                **self.figures}
+
+
+def create(config: Config, cluster=None, strategy: tf.distribute.Strategy | None = None
+           ) -> SingleHost:
+    """The runner for `strategy`, or for the strategy the config and cluster imply."""
+    strategy = strategy or strategies.create(config.runtime.strategy, cluster, config)
+    kind = strategies.describe(strategy)
+    if kind == "ParameterServerStrategy":
+        return (SyncPS if config.ps.mode == "sync" else AsyncPS)(strategy, config, cluster)
+    if kind == "MultiWorkerMirroredStrategy":
+        return MultiWorker(strategy, config, cluster)
+    return SingleHost(strategy, config)
+
+
+def per_worker(dataset_fn: DatasetFn, num_workers: int) -> DatasetFn:
+    """`dataset_fn` with an InputContext of one pipeline per worker.
+
+    Under ParameterServerStrategy the InputContext is always one pipeline, id 0,
+    and every worker would read the same data. The public way to know which
+    worker a dataset_fn runs on is `experimental_get_current_worker_index()`, a
+    value captured when the function runs on that worker.
+    """
+    def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return dataset_fn(tf.distribute.InputContext(
+            num_input_pipelines=num_workers, input_pipeline_id=index,
+            num_replicas_in_sync=context.num_replicas_in_sync))
+    return fn
+
+
+def weights_digest(model: keras.Model) -> str:
+    digest = hashlib.sha256()
+    for array in model.get_weights():
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _verbose(setting: str) -> str | int:
+    return setting if setting == "auto" else int(setting)

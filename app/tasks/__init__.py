@@ -1,0 +1,1 @@
+"""The built-in tasks (`task.name = "mnist"`); app/task.py is the interface they implement."""

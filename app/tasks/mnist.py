@@ -1,0 +1,268 @@
+"""MNIST digit classification: the classic distributed-MNIST CNN, or an MLP.
+
+`task.source` picks the data: "mnist" streams the IDX files (the bundled copy,
+or `task.dir`) with tf.data, so every worker reads the files itself and no
+image is baked into a graph; "tfds:<name>" reads a prepared
+tensorflow-datasets dataset; "synthetic" generates random images from the
+example index, for throughput measurements. Images stay uint8 all the way:
+the model scales them, so the exported model serves raw pixels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import pathlib
+from collections.abc import Callable
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from app import data, idx
+from app.config import ConfigError, field
+from app.task import Task
+
+BUNDLED = pathlib.Path(__file__).resolve().parents[2] / "data" / "mnist"
+SHAPE, CLASSES = (28, 28, 1), 10
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    model: str = field("cnn", choices=("cnn", "mlp"))
+    dropout: float = field(0.5, minimum=0, below=1)
+    # "mnist" (IDX files in `dir`), "tfds:<name>" or "synthetic".
+    source: str = "mnist"
+    # Directory of the IDX files (or tensorflow-datasets' data_dir); empty means
+    # the copy bundled with the project.
+    dir: str = ""
+    # Use only the first N training / test examples (0 = all). For smoke runs:
+    # test accuracy is then over N images, and metrics.json says so.
+    train_examples: int = field(0, minimum=0)
+    test_examples: int = field(0, minimum=0)
+    # Held out from the end of the training set for per-epoch validation, as the
+    # classic MNIST examples did (55,000 train / 5,000 validation).
+    validation_examples: int = field(5000, minimum=0)
+    shuffle_buffer: int = field(60000, minimum=0)
+    # Random translation of up to this many pixels in each direction (0 = off).
+    augment_shift: int = field(0, minimum=0)
+
+    def __post_init__(self):
+        name = self.source
+        if name not in ("mnist", "synthetic") and not (name.startswith("tfds:") and len(name) > 5):
+            raise ConfigError(f"task.source = {name!r} is not one of mnist, synthetic, "
+                              "tfds:<name> (e.g. tfds:fashion_mnist)")
+
+
+Source = Callable[[], tf.data.Dataset]
+
+
+@dataclasses.dataclass(frozen=True)
+class Splits:
+    """How to make each split's dataset of (uint8 image, int64 label), and its size.
+
+    Functions, not datasets: a dataset_fn builds its pipeline where it runs (on a
+    worker, under parameter servers), so it must not capture one built here.
+    """
+
+    train: Source
+    num_train: int
+    validation: Source | None
+    num_validation: int
+    test: Source
+    num_test: int
+
+
+class Mnist(Task):
+    """Ten-class digit classification; the headline metric is test accuracy."""
+
+    Params = Params
+    metric, higher_is_better = "accuracy", True
+
+    @classmethod
+    def from_arrays(cls, train: tuple[np.ndarray, np.ndarray],
+                    validation: tuple[np.ndarray, np.ndarray] | None,
+                    test: tuple[np.ndarray, np.ndarray], params: Params | None = None,
+                    **kwargs) -> Mnist:
+        """The task on small in-memory (images, labels) arrays: tests, notebooks."""
+        task = cls(params, **kwargs)
+
+        def split(arrays):
+            if arrays is None:
+                return None, 0
+            data.from_arrays(*arrays)  # refuses large arrays now, not on a worker later
+            return (lambda: data.from_arrays(*arrays)), len(arrays[1])
+
+        task._splits = Splits(*split(train), *split(validation), *split(test))
+        return task
+
+    _splits: Splits | None = None
+
+    @property
+    def splits(self) -> Splits:
+        if self._splits is None:
+            self._splits = _subset(_load(self.params, self.seed), self.params)
+        return self._splits
+
+    def build_model(self) -> keras.Model:
+        if self.params.model == "mlp":
+            return mlp(SHAPE, CLASSES)
+        return cnn(SHAPE, CLASSES, self.params.dropout)
+
+    def train_dataset(self, context, global_batch_size):
+        p = self.params
+        shift = p.augment_shift
+        return data.batches(
+            self.shard(self.splits.train(), context),
+            context.get_per_replica_batch_size(global_batch_size),
+            seed=self.pipeline_seed(context), shuffle_buffer=p.shuffle_buffer,
+            augment=(lambda x, y: (random_shift(x, shift), y)) if shift else None)
+
+    def eval_dataset(self, split, batch_size):
+        source = self.splits.validation if split == "validation" else self.splits.test
+        return None if source is None else source().batch(batch_size).prefetch(2)
+
+    def train_examples(self) -> int:
+        return self.splits.num_train
+
+    def eval_examples(self, split):
+        return self.splits.num_validation if split == "validation" else self.splits.num_test
+
+    def loss(self):
+        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    def metrics(self):
+        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+
+
+def _load(params: Params, seed: int) -> Splits:
+    if params.source == "synthetic":
+        train = params.train_examples or 60000
+        return Splits(functools.partial(_synthetic, train, seed), train, None, 0,
+                      functools.partial(_synthetic, 10000, seed + 1), 10000)
+    if params.source.startswith("tfds:"):
+        return _tfds(params.source[len("tfds:"):], params.dir)
+    directory = pathlib.Path(params.dir) if params.dir else BUNDLED
+    return Splits(*_idx(directory, "train"), None, 0, *_idx(directory, "t10k"))
+
+
+def _subset(splits: Splits, params: Params) -> Splits:
+    """The first `train_examples` / `test_examples`, validation cut from the train end."""
+    train, num_train = splits.train, splits.num_train
+    test, num_test = splits.test, splits.num_test
+    if params.train_examples and params.train_examples < num_train:
+        train, num_train = _take(train, 0, params.train_examples), params.train_examples
+    if params.test_examples and params.test_examples < num_test:
+        test, num_test = _take(test, 0, params.test_examples), params.test_examples
+    held = params.validation_examples
+    if not held:
+        return Splits(train, num_train, None, 0, test, num_test)
+    if held >= num_train:
+        raise ConfigError(
+            f"task.validation_examples ({held}) must be smaller than the training set "
+            f"({num_train} examples); lower it or set it to 0")
+    cut = num_train - held
+    return Splits(_take(train, 0, cut), cut, _take(train, cut, num_train), held, test, num_test)
+
+
+def _take(source: Source, start: int, stop: int) -> Source:
+    return lambda: source().skip(start).take(stop - start)
+
+
+def _idx(directory: pathlib.Path, prefix: str) -> tuple[Source, int]:
+    """One split streamed from its IDX files (checked first: a broken copy is named)."""
+    images_path, labels_path = idx.paths(directory, prefix)
+    count, shape, image_header, label_header = idx.check_pair(images_path, labels_path)
+
+    def records(path: pathlib.Path, size: int, header: int) -> tf.data.Dataset:
+        return tf.data.FixedLengthRecordDataset(
+            str(path), size, header_bytes=header,
+            compression_type="GZIP" if path.suffix == ".gz" else "")
+
+    def source() -> tf.data.Dataset:
+        images = records(images_path, int(np.prod(shape)), image_header).map(
+            lambda r: tf.reshape(tf.io.decode_raw(r, tf.uint8), (*shape, 1)))
+        labels = records(labels_path, 1, label_header).map(
+            lambda r: tf.cast(tf.io.decode_raw(r, tf.uint8)[0], tf.int64))
+        return tf.data.Dataset.zip((images, labels))
+
+    return source, count
+
+
+def _synthetic(n: int, seed: int) -> tf.data.Dataset:
+    """Random MNIST-shaped examples made from their index: no data to ship."""
+    def example(i):
+        key = tf.stack([tf.cast(seed, tf.int64), i])
+        image = tf.random.stateless_uniform(SHAPE, key, maxval=256, dtype=tf.int32)
+        label = tf.random.stateless_uniform([], key + 1, maxval=CLASSES, dtype=tf.int64)
+        return tf.cast(image, tf.uint8), label
+
+    return tf.data.Dataset.range(n).map(example)
+
+
+def _tfds(name: str, data_dir: str) -> Splits:
+    import tensorflow_datasets as tfds
+
+    try:
+        info = tfds.builder(name, data_dir=data_dir or None).info
+    except Exception as e:  # tfds raises many types; the user needs the message either way
+        raise ConfigError(
+            f"task.source = 'tfds:{name}' could not be loaded ({type(e).__name__}: {e}); "
+            "prepare it with `tfds build` and set task.dir, or use task.source = mnist") from None
+    # tfds datasets read their own files: rebuilt by tfds.load where the pipeline runs.
+    def source(split: str) -> Source:
+        return lambda: tfds.load(name, split=split, as_supervised=True,
+                                 data_dir=data_dir or None)
+
+    return Splits(source("train"), info.splits["train"].num_examples, None, 0,
+                  source("test"), info.splits["test"].num_examples)
+
+
+def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> tf.Tensor:
+    """Translate each image of a batch by up to `max_shift` pixels, filling with zeros.
+
+    Whole pixels only, done with two gathers over a padded batch: an order of
+    magnitude cheaper per image than a per-example map or an interpolating
+    affine transform, which matters on a 2-core host where input competes with
+    training for the same cores.
+    """
+    shape = tf.shape(images)
+    batch, height, width = shape[0], shape[1], shape[2]
+    s = max_shift
+    padded = tf.pad(images, [[0, 0], [s, s], [s, s], [0, 0]])
+    offsets = tf.random.uniform([2, batch], 0, 2 * s + 1, dtype=tf.int32, seed=seed)
+    rows = offsets[0][:, None] + tf.range(height)[None, :]
+    cols = offsets[1][:, None] + tf.range(width)[None, :]
+    shifted = tf.gather(padded, rows, axis=1, batch_dims=1)
+    return tf.gather(shifted, cols, axis=2, batch_dims=1)
+
+
+def _scaled_input(input_shape) -> tuple[keras.layers.Layer, keras.layers.Layer]:
+    """Raw uint8 pixels in, floats in [0, 1] out: the export serves raw images."""
+    inputs = keras.Input(shape=tuple(input_shape), dtype="uint8", name="image")
+    return inputs, keras.layers.Rescaling(1 / 255)(inputs)
+
+
+def cnn(input_shape, num_classes: int, dropout: float) -> keras.Model:
+    """The classic distributed-MNIST network: two 5x5 conv/pool blocks, dense 1024, dropout."""
+    layers = keras.layers
+    inputs, x = _scaled_input(input_shape)
+    x = layers.Conv2D(32, 5, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D()(x)
+    x = layers.Conv2D(64, 5, padding="same", activation="relu")(x)
+    x = layers.MaxPooling2D()(x)
+    x = layers.Flatten()(x)
+    x = layers.Dense(1024, activation="relu")(x)
+    x = layers.Dropout(dropout)(x)
+    # float32 logits under a mixed-precision policy, so the loss is computed in full precision.
+    return keras.Model(inputs, layers.Dense(num_classes, dtype="float32")(x), name="cnn")
+
+
+def mlp(input_shape, num_classes: int) -> keras.Model:
+    """The classic multi-GPU tower example's fully connected 512-128-128 stack."""
+    layers = keras.layers
+    inputs, x = _scaled_input(input_shape)
+    x = layers.Flatten()(x)
+    for units in (512, 128, 128):
+        x = layers.Dense(units, activation="relu")(x)
+    return keras.Model(inputs, layers.Dense(num_classes, dtype="float32")(x), name="mlp")
