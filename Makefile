@@ -39,7 +39,7 @@ local-cluster: install
 	$(PY) -m launch.inprocess --workers $(WORKERS) --ps $(PS) --config configs/mnist_ps.toml $(ARGS)
 
 lint: install
-	$(PY) -m ruff check app launch tests
+	$(PY) -m ruff check app launch tests examples
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -167,3 +167,17 @@ def test_a_task_serves_until_the_chief_has_come_and_gone():
     assert not done.is_set()  # the chief is up: keep serving
     chief.close()
     assert done.wait(timeout=10)
+
+
+def test_the_example_task_trains_on_the_cluster(ps_strategy, ps_cluster, tmp_path):
+    from app import task as tasks
+
+    overrides = [f"task.data_dir={tmp_path / 'data'}", "task.files=4",
+                 "task.examples_per_file=256", "task.test_examples=256", "train.epochs=2",
+                 "train.verbose=0"]
+    task, settings = tasks.create(cfg.load("examples/regression.toml", overrides))
+    metrics = trainer.run(settings, tmp_path / "run", strategy=ps_strategy, cluster=ps_cluster,
+                          task=task)
+    assert (metrics["strategy"], metrics["metric"]) == ("ParameterServerStrategy", "test_mae")
+    assert 0 < metrics["test_mae"] < 0.9
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["num_ps"] == 2

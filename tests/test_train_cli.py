@@ -38,7 +38,7 @@ def test_train_on_real_mnist_subset_writes_metrics(tmp_path):
     assert metrics["cpu_allocator"] == "bfc" and metrics["peak_cpu_tensor_mib"] > 1
     last_line = result.stdout.strip().splitlines()[-1]
     assert last_line.startswith(f"test_accuracy={metrics['test_accuracy']:.4f} ")
-    assert "(500 test images)" in last_line
+    assert "(500 test examples)" in last_line
     assert (workdir / "config.toml").exists()
 
     again = run_cli("--config", "configs/mnist.toml", *SMALL, "--set", "runtime.onednn=false",
