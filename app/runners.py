@@ -55,23 +55,23 @@ class SingleHost:
 
     def check(self) -> None:
         """Refuse settings this kind of run cannot honour, before anything is written."""
-        self._refuse("ps.mode", self.config.ps.mode != "async", "ps.mode = sync is "
+        self._refuse(self.config.ps.mode != "async", "ps.mode = sync is "
                      "parameter-server training and this run has no ps tasks ({name}); give "
                      "TF_CONFIG chief, worker and ps jobs, or use ps.mode = async")
-        self._refuse("debug.slow_worker", self.config.debug.slow_worker >= 0,
+        self._refuse(self.config.debug.slow_worker >= 0,
                      f"debug.slow_worker = {self.config.debug.slow_worker} slows a worker of a "
                      "parameter-server cluster, and this run has none ({name}); set it to -1")
-        self._refuse("ps.compression", self.config.ps.compression != "none",
+        self._refuse(self.config.ps.compression != "none",
                      f"ps.compression = {self.config.ps.compression} compresses the gradients "
                      "workers push to ps tasks, and this run has none ({name}); set it to none")
-        self._refuse("sync.compression", self.config.sync.compression != "none"
+        self._refuse(self.config.sync.compression != "none"
                      and not self.all_reduces,
                      f"sync.compression = {self.config.sync.compression} compresses the "
                      "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
                      "none ({name}); set it to none")
         strategies.check_batch(self.config.train.global_batch_size, self.num_replicas)
 
-    def _refuse(self, key: str, refused: bool, message: str) -> None:
+    def _refuse(self, refused: bool, message: str) -> None:
         if refused:
             raise ConfigError(message.format(name=self.name))
 
@@ -160,8 +160,9 @@ class MultiWorker(SingleHost):
 
     @property
     def num_workers(self) -> int:
-        spec = self.strategy.cluster_resolver.cluster_spec()
-        return max(1, sum(spec.num_tasks(job) for job in ("chief", "worker") if job in spec.jobs))
+        if self.cluster is None:
+            return 1
+        return len(self.cluster.jobs.get("chief", ())) + self.cluster.num_workers  # a chief trains
 
     @property
     def writes(self) -> bool:
@@ -190,7 +191,7 @@ class AsyncPS(SingleHost):
         self._local: keras.Model | None = None
 
     def check(self) -> None:
-        self._refuse("sync.compression", self.config.sync.compression != "none",
+        self._refuse(self.config.sync.compression != "none",
                      f"sync.compression = {self.config.sync.compression} compresses the "
                      "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
                      "none ({name}); set it to none")
@@ -274,6 +275,7 @@ class SyncPS(AsyncPS):
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
         self.figures: dict[str, Any] = {}
+        self._task_loss: keras.losses.Loss | None = None
 
     def check(self) -> None:
         backup = self.config.ps.backup_workers
@@ -281,7 +283,7 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
                               f"workers ({self._workers}): each update needs at least one "
                               "gradient")
-        self._refuse("ps.compression", self.config.ps.compression != "none",
+        self._refuse(self.config.ps.compression != "none",
                      f"ps.compression = {self.config.ps.compression} applies to ps.mode = "
                      f"async; ps.mode = {self.config.ps.mode} sends its gradients through "
                      "accumulators in float32. Set one of them back")

@@ -1,0 +1,107 @@
+"""The runner of each strategy kind, on a tiny fake task: what it checks, the batch its
+input pipelines build, who writes, and what it adds to metrics.json. (The
+parameter-server runners need a cluster: tests/test_parameter_server.py,
+tests/test_sync_ps.py.)"""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras as keras
+
+from app import cluster as clusters
+from app import config as cfg
+from app import data, runners, strategy, trainer
+from app.task import Task
+
+
+class Tiny(Task):
+    """Two features, a linear target: the least a task can be."""
+
+    metric = "mae"
+
+    def build_model(self):
+        inputs = keras.Input((2,))
+        return keras.Model(inputs, keras.layers.Dense(1)(inputs))
+
+    def _arrays(self):
+        x = np.random.default_rng(0).normal(size=(64, 2)).astype(np.float32)
+        return x, x.sum(axis=1, keepdims=True)
+
+    def train_dataset(self, context, global_batch_size):
+        return data.batches(self.shard(data.from_arrays(*self._arrays()), context),
+                            context.get_per_replica_batch_size(global_batch_size),
+                            seed=0, shuffle_buffer=64)
+
+    def eval_dataset(self, split, batch_size):
+        return data.from_arrays(*self._arrays()).batch(batch_size) if split == "test" else None
+
+    def train_examples(self):
+        return 64
+
+    def loss(self):
+        return keras.losses.MeanSquaredError()
+
+    def metrics(self):
+        return [keras.metrics.MeanAbsoluteError(name="mae")]
+
+
+def worker(index: int) -> clusters.Cluster:
+    spec = {"worker": ["localhost:1", "localhost:2"]}
+    return clusters.parse(json.dumps({"cluster": spec,
+                                      "task": {"type": "worker", "index": index}}))
+
+
+def test_single_host_runners_are_picked_from_the_strategy():
+    config = cfg.Config()
+    default = runners.create(config, strategy=strategy.create("default"))
+    mirrored = runners.create(config, strategy=strategy.create("mirrored"))
+    assert type(default) is type(mirrored) is runners.SingleHost
+    assert (default.num_replicas, mirrored.num_replicas) == (1, 2)
+    assert not default.all_reduces and mirrored.all_reduces
+    assert default.input_batch == config.train.global_batch_size and default.writes
+
+
+def test_multi_worker_writes_only_on_the_chief_and_counts_its_workers(tmp_path):
+    mirrored = strategy.create("mirrored")
+    chief, other = (runners.MultiWorker(mirrored, cfg.Config(), worker(i)) for i in (0, 1))
+    assert chief.writes and not other.writes
+    assert chief.num_workers == other.num_workers == 2
+    assert chief.outdir(tmp_path) == tmp_path
+    elsewhere = other.outdir(tmp_path)  # the other workers save too, where nobody looks
+    assert elsewhere != tmp_path and elsewhere.is_dir()
+    other.finish(elsewhere, tmp_path)
+    assert not elsewhere.exists()
+
+
+def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
+    config = cfg.load(None, ["train.epochs=2", "train.global_batch_size=8", "train.verbose=0",
+                             "train.learning_rate=0.05", "train.lr_schedule=constant"])
+    metrics = trainer.run(config, tmp_path, strategy=strategy.create("mirrored"), task=Tiny())
+    assert metrics["metric"] == "test_mae" and metrics["higher_is_better"] is False
+    assert set(metrics) >= {"test_loss", "test_mae", "steps", "history"}
+    assert "num_test_examples" not in metrics  # Tiny does not say how many it has
+    assert metrics["steps"] == 2 * 64 // 8
+    assert metrics["history"][-1]["test_mae"] == pytest.approx(metrics["test_mae"], rel=1e-5)
+    assert not any(key.startswith("ps_") for key in metrics)  # no ps: no placement figures
+
+
+@pytest.mark.parametrize("override, message", [
+    ("ps.mode=sync", "ps.mode = sync is parameter-server training and this run has no ps"),
+    ("debug.slow_worker=0", "debug.slow_worker = 0 slows a worker of a parameter-server"),
+    ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push"),
+    ("sync.compression=fp16", "sync.compression = fp16 compresses the all-reduce of"),
+    ("train.global_batch_size=7", "train.global_batch_size (7) must be divisible by the number "
+                                  "of replicas (2); use 6 or 8"),
+])
+def test_single_host_checks(override, message):
+    name = "default" if override.startswith("sync.") else "mirrored"
+    runner = runners.create(cfg.load(None, [override]), strategy=strategy.create(name))
+    with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        runner.check()
+
+
+def test_a_parameter_server_runner_needs_its_cluster():
+    with pytest.raises(ValueError, match="a parameter-server run needs its cluster"):
+        runners.AsyncPS(tf.distribute.get_strategy(), cfg.Config(), None)
