@@ -10,7 +10,7 @@ them): such data belongs in files every worker can read (`write_records`,
 from __future__ import annotations
 
 import pathlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -81,7 +81,3 @@ def batches(dataset: tf.data.Dataset, batch_size: int, *, seed: int, shuffle_buf
         dataset = dataset.map(augment, num_parallel_calls=tf.data.AUTOTUNE)
     return dataset.prefetch(tf.data.AUTOTUNE)
 
-
-def count(dataset: Iterable) -> int:
-    """Examples in a finite batched dataset of (features, labels) pairs."""
-    return sum(int(tf.shape(tf.nest.flatten(labels)[0])[0]) for _, labels in dataset)
