@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast bench local-cluster lint clean
+.PHONY: install train test test-fast bench local-cluster lint docs clean
 
 install: $(STAMP)
 
@@ -40,6 +40,10 @@ local-cluster: install
 
 lint: install
 	$(PY) -m ruff check app launch tests examples
+
+# docs/configuration.md from the config dataclasses (tests/test_configdoc.py checks it)
+docs: install
+	$(PY) -m app.configdoc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -35,15 +35,20 @@ def field(default: Any, *, choices: tuple[str, ...] = (), minimum: float | None 
 
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
+    """What to train: the task, and its own parameters as the other keys of `[task]`."""
+
     # A built-in task ("mnist") or an import path "package.module:ClassName"
-    # (app/task.py). The other keys of [task] are the task's own parameters,
-    # checked by its Params dataclass (for mnist: app/tasks/mnist.py).
+    # (app/task.py), found from the current directory and PYTHONPATH.
     name: str = "mnist"
+    # The other keys of [task]: the task's own parameters, checked by its Params
+    # dataclass (for mnist: app/tasks/mnist.py).
     params: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
+    """How the training data is divided among the workers' input pipelines."""
+
     # How the training data is split over the input pipelines (one per worker),
     # as tf.data's AutoShardPolicy names it. "data": pipeline i of n takes
     # records i, i+n, ... (disjoint, together the whole set). "file": pipeline i
@@ -56,23 +61,32 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
+    """The optimisation: length, batch, optimizer, learning-rate schedule, speed switches."""
+
+    # Passes over the training data (each `steps_per_epoch` steps long).
     epochs: int = field(5, above=0)
     # Steps per epoch; 0 = one pass over the task's training examples. Needed
     # for a task whose training data has no end.
     steps_per_epoch: int = field(0, minimum=0)
-    # The examples of one optimizer step over all replicas (see README:
-    # Training for what each strategy makes of it). Batch 32 with one annealed
-    # cosine cycle per epoch is the default MNIST run's.
+    # The examples of one optimizer step, split evenly over the replicas that
+    # compute it. Under parameter servers each worker's step is one whole batch;
+    # with ps.mode = "sync", one update's examples split over the workers it waits for.
     global_batch_size: int = field(32, above=0)
+    # The optimizer, unless the task's `optimizer()` gives its own ("sgd" uses
+    # momentum 0.9).
     optimizer: str = field("adam", choices=("adam", "sgd", "adagrad"))
+    # The peak learning rate: where each schedule starts.
     learning_rate: float = field(1e-3, above=0)
     # "cosine" decays to `final_lr_fraction * learning_rate` over the whole run;
     # "cosine_restarts" does so every `lr_cycle_epochs`, each cycle starting
     # `lr_cycle_decay` times lower than the one before (SGDR, Loshchilov & Hutter).
     lr_schedule: str = field("cosine_restarts",
                              choices=("cosine", "cosine_restarts", "constant"))
+    # Where a cosine schedule ends, as a fraction of `learning_rate`.
     final_lr_fraction: float = field(0.01, minimum=0, maximum=1)
+    # Epochs per cycle of "cosine_restarts".
     lr_cycle_epochs: int = field(1, above=0)
+    # Each "cosine_restarts" cycle's peak, as a multiple of the one before.
     lr_cycle_decay: float = field(0.8, above=0)
     # Steps per call of the compiled train function: fewer Python round trips.
     steps_per_execution: int = field(1, above=0)
@@ -81,6 +95,7 @@ class TrainConfig:
     # "float32", or "mixed_bfloat16" / "mixed_float16": compute in 16 bits,
     # keep variables and the logits in float32 (Keras mixed precision).
     precision: str = field("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"))
+    # Random seed: the weights' initialisation and the task's shuffles (Task.seed).
     seed: int = field(0, minimum=0)
     # Keras verbosity: "auto" shows a progress bar on a terminal.
     verbose: str = field("auto", choices=("auto", "0", "1", "2"))
@@ -88,14 +103,19 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
+    """Evaluation: every example of the task's validation and test splits, exactly once."""
+
     # Evaluate on the test set after every epoch too (not only at the end), so the
     # learning curve is on record. Costs about one forward pass of the test set.
     test_every_epoch: bool = True
+    # Examples per evaluation batch.
     batch_size: int = field(1000, above=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class RuntimeConfig:
+    """The strategy, the devices and TensorFlow's CPU settings of each process."""
+
     # "auto" picks from TF_CONFIG and the local devices; see app/strategy.py.
     strategy: str = field("auto", choices=(
         "auto", "default", "mirrored", "multi_worker_mirrored", "parameter_server"))
@@ -105,10 +125,11 @@ class RuntimeConfig:
     # Split the first GPU into N logical GPUs (0 = leave the GPUs as they are),
     # each with `gpu_device_memory_mib` of memory: Mirrored on a one-GPU machine.
     gpu_devices: int = field(0, minimum=0)
+    # The memory of each logical GPU that `gpu_devices` makes.
     gpu_device_memory_mib: int = field(4096, above=0)
     # oneDNN kernels for CPU ops. TensorFlow turns them on by itself only on
-    # CPUs with AVX-512 and newer; this turns them on everywhere (benchmarks:
-    # the `onednn` row). Set before TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
+    # CPUs with AVX-512 and newer; this turns them on everywhere. Set before
+    # TF starts (app/train.py), as TF_ENABLE_ONEDNN_OPTS.
     onednn: bool = True
     # Where TensorFlow's CPU tensors get their memory when oneDNN is off (with
     # oneDNN on, TensorFlow always uses its oneDNN allocator, itself a BFC pool).
@@ -117,18 +138,27 @@ class RuntimeConfig:
     #   for the next step's tensors; "malloc": TensorFlow's default, which maps
     #   and unmaps tensors above glibc's mmap threshold every step.
     cpu_allocator: str = field("bfc", choices=("bfc", "malloc"))
-    # TensorFlow thread pools (0 = TensorFlow's default).
+    # Threads that run one op (0 = TensorFlow's default). launch.local sets it
+    # to cores / workers unless given.
     intra_op_threads: int = field(0, minimum=0)
+    # Ops run at once (0 = TensorFlow's default). launch.local sets it to
+    # workers + 1 unless given: fewer can deadlock a ps serving every worker.
     inter_op_threads: int = field(0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
+    """How long a parameter-server chief waits for its cluster."""
+
+    # Seconds the chief waits for every ps and worker task to accept
+    # connections before it stops with exit code 2, naming the missing ones.
     connect_timeout_s: int = field(120, above=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class PSConfig:
+    """Parameter-server training: variable placement, update mode, gradient compression."""
+
     # How large variables are split into ShardedVariables over the `ps` tasks:
     # "min_size": shards of at least `shard_bytes`, at most one per ps task
     #   (small variables stay whole; the big dense kernel spreads evenly);
@@ -136,7 +166,9 @@ class PSConfig:
     # "fixed": `num_shards` shards for every variable (0 = one per ps task);
     # "none": whole variables, placed round-robin as TF1 did.
     partitioner: str = field("min_size", choices=("min_size", "max_size", "fixed", "none"))
+    # The shard size bound of "min_size" (at least) and "max_size" (at most).
     shard_bytes: int = field(256 << 10, above=0)
+    # Shards per variable with "fixed" (0 = one per ps task).
     num_shards: int = field(0, minimum=0)
     # "async": each worker's update is applied as it arrives (the classic
     # ps/worker default, Keras fit). "sync": every update averages the
@@ -144,6 +176,8 @@ class PSConfig:
     # current parameters and drops the rest (app/sync_ps.py). In sync mode
     # train.global_batch_size is the examples per update, split over those workers.
     mode: str = field("async", choices=("async", "sync"))
+    # With mode = "sync": the workers whose gradients an update does not wait
+    # for (fewer than the workers).
     backup_workers: int = field(0, minimum=0)
     # "fp16": in async mode each worker pushes its gradients to the ps tasks as
     # float16, and the ps casts them back to float32 for the update: half the
@@ -154,6 +188,8 @@ class PSConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SyncConfig:
+    """Synchronous all-reduce (MultiWorkerMirroredStrategy; `compression` also Mirrored)."""
+
     # MultiWorkerMirroredStrategy's all-reduce: "auto" lets TensorFlow pick,
     # "ring" (gRPC, CPU or GPU) or "nccl" (GPUs only).
     collective: str = field("auto", choices=("auto", "ring", "nccl"))
@@ -172,15 +208,21 @@ class SyncConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DebugConfig:
+    """Fault injection for tests and benchmarks."""
+
     # Straggler injection (parameter-server runs): worker `slow_worker` sleeps
     # after computing each gradient until its step took `slow_factor` times as
     # long. -1 = off.
     slow_worker: int = field(-1, minimum=-1)
+    # How many times as long the slow worker's steps take.
     slow_factor: float = field(1.0, minimum=1)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """The per-epoch checkpoints in `<workdir>/checkpoints` (the evaluator reads them)."""
+
+    # Checkpoints kept: the newest ones.
     keep: int = field(3, above=0)
 
 

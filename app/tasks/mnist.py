@@ -29,20 +29,28 @@ SHAPE, CLASSES = (28, 28, 1), 10
 
 @dataclasses.dataclass(frozen=True)
 class Params:
+    """The `[task]` keys of the MNIST task."""
+
+    # "cnn": the classic distributed-MNIST network (two 5x5 conv/pool blocks,
+    # dense 1024, dropout); "mlp": a 512-128-128 fully connected stack.
     model: str = field("cnn", choices=("cnn", "mlp"))
+    # Dropout rate before the CNN's last layer (the MLP has none).
     dropout: float = field(0.5, minimum=0, below=1)
     # "mnist" (IDX files in `dir`), "tfds:<name>" or "synthetic".
     source: str = "mnist"
     # Directory of the IDX files (or tensorflow-datasets' data_dir); empty means
     # the copy bundled with the project.
     dir: str = ""
-    # Use only the first N training / test examples (0 = all). For smoke runs:
-    # test accuracy is then over N images, and metrics.json says so.
+    # Use only the first N training examples (0 = all), for smoke runs; the
+    # validation examples are then held out of those N.
     train_examples: int = field(0, minimum=0)
+    # Use only the first N test examples (0 = all), for smoke runs: test
+    # accuracy is then over N images, and metrics.json says so.
     test_examples: int = field(0, minimum=0)
     # Held out from the end of the training set for per-epoch validation, as the
     # classic MNIST examples did (55,000 train / 5,000 validation).
     validation_examples: int = field(5000, minimum=0)
+    # Examples in the training shuffle buffer (0 = no shuffle).
     shuffle_buffer: int = field(60000, minimum=0)
     # Random translation of up to this many pixels in each direction (0 = off).
     augment_shift: int = field(0, minimum=0)
