@@ -48,3 +48,28 @@ def test_plan_command_prints_the_report(capsys):
     assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
     assert "max/mean = 1.013" in out
     assert plan.main(["--ps", "0"]) == 2
+
+
+def test_a_link_turns_the_busiest_directions_bytes_into_a_step_time_bound():
+    traffic = plan.Traffic(read_bytes=[100, 300], gradient_scale=0.5)
+    loads = {(load.task, load.direction): load.nbytes for load in plan.link_loads(traffic, 2)}
+    assert loads == {("ps:0", "sends"): 100, ("ps:0", "receives"): 50,
+                     ("ps:1", "sends"): 300, ("ps:1", "receives"): 150,
+                     # two workers share the steps, so each takes half of all the bytes
+                     ("each worker", "receives"): 200, ("each worker", "sends"): 100}
+    seconds, busiest = plan.step_time_bound(traffic, num_workers=2, rate_bits=8000)
+    assert seconds == pytest.approx(300 * 8 / 8000) and (busiest.task, busiest.direction) == (
+        "ps:1", "sends")
+    # One worker takes every step's reads from both ps tasks: its link binds.
+    seconds, busiest = plan.step_time_bound(traffic, num_workers=1, rate_bits=8000)
+    assert seconds == pytest.approx(400 * 8 / 8000) and busiest.task == "each worker"
+
+
+def test_plan_command_prints_the_bound_of_a_link(capsys):
+    assert plan.main(["--config", "configs/mnist_ps.toml", "--ps", "2", "--link", "1gbit"]) == 0
+    out = capsys.readouterr().out
+    # min_size splits the 12.25 MiB kernel in two: the larger half's ps sends 6.3 MiB a step.
+    bound = re.search(r"lower bound on the step time: ([\d.]+) ms, set by what (ps:\d) sends", out)
+    assert bound and float(bound[1]) == pytest.approx(6.3 * 2**20 * 8 / 1e9 * 1000, rel=0.01)
+    assert plan.main(["--ps", "2", "--link", "1gb"]) == 2
+    assert "error: --link '1gb': cannot read '1gb'" in capsys.readouterr().err
