@@ -187,10 +187,13 @@ def test_a_delay_is_netem_or_a_refusal_that_says_how_to_get_it(namespace):
 def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namespace):
     workdir = tmp_path / "run"
     args = [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "1",
-            # 5 s after every task serves: inside epoch 1. 15 s: gRPC gives up on a
-            # silent peer after about 8 s, so the chief sees the worker fail.
-            "--link", "1gbit", "--partition", "worker:1@5+15",
-            "--set", "data.train_examples=2000", "--set", "data.validation_examples=0",
+            # 12 s after every task serves: inside epoch 1, past the chief's start, when
+            # it registers its functions on every worker (a worker cut off during that
+            # stays without them: TF's coordinator recovers restarted workers, not
+            # ones that missed a registration). 15 s: gRPC gives up on a silent peer
+            # after about 8 s, so the chief sees the worker fail.
+            "--link", "1gbit", "--partition", "worker:1@12+15",
+            "--set", "data.train_examples=3000", "--set", "data.validation_examples=0",
             "--set", "data.test_examples=300", "--set", "train.epochs=2",
             "--set", "train.verbose=2", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
@@ -201,7 +204,7 @@ def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namesp
     # The coordinator saw worker 1 fail and put its closure back in the queue.
     assert "ERROR Worker /job:worker/replica:0/task:1 failed" in output, output[-3000:]
     metrics = json.loads((workdir / "metrics.json").read_text())
-    assert metrics["epochs_completed"] == 2 and metrics["steps"] >= 2 * (2000 // 32)
+    assert metrics["epochs_completed"] == 2 and metrics["steps"] >= 2 * (3000 // 32)
     # Every step read the CNN's 12.5 MiB of trainable variables out of ps:0's port.
     out_of_ps = re.search(r"ps:0 in [\d.]+ MiB out ([\d.]+) MiB", output)
     assert out_of_ps and float(out_of_ps[1]) >= metrics["steps"] * 12.4, output[-3000:]
