@@ -184,8 +184,8 @@ def row_cluster(row: str) -> tuple[int, int, list[str]]:
 
 def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
                ) -> tuple[float, str] | None:
-    """app.plan's least step time of ps row `row` over `link`, in seconds, and the
-    link direction that sets it ("ps:1 sends"); None for a row without ps."""
+    """app.plan's least step time of ps row `row` over `link`, in seconds, and what
+    sets it ("what ps:1 sends"); None for a row without ps."""
     if not multi_task(row) or not row_cluster(row)[1]:
         return None
     from app import plan  # builds the model: TensorFlow, only when a link asks for it
@@ -193,9 +193,7 @@ def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
     workers, num_ps, sets = row_cluster(row)
     config = cfg.load(config_path, [*PLAIN, *overrides, *sets])
     _, traffic = plan.predict(config, num_ps)
-    seconds, busiest = plan.step_time_bound(traffic, workers,
-                                            network.parse_link(link).rate_bits)
-    return seconds, f"{busiest.task} {busiest.direction}"
+    return plan.step_time_bound(traffic, workers, network.parse_link(link).rate_bits)
 
 
 def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -> None:
@@ -209,7 +207,7 @@ def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -
 
 
 def bound_lines(results: dict[str, dict]) -> list[str]:
-    """"ps_2w2p: step 560.0 ms, app.plan's bound 530.8 ms (ps:1 sends): 1.055x"."""
+    """"ps_2w2p: step 560.0 ms, app.plan's bound 530.8 ms (what ps:1 sends): 1.055x"."""
     return [f"{name}: step {r.get('step_ms', 0):.1f} ms, app.plan's bound "
             f"{r['plan_bound_ms']:.1f} ms ({r['plan_bound_link']}): "
             f"{r.get('step_over_bound', 0):.3f}x"

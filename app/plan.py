@@ -15,8 +15,9 @@ optimizer slots never leave the ps.
 
 With `--link RATE` those bytes become a lower bound on the time of a training
 step: every task has a full-duplex link of RATE, so each direction of each
-link is a limit of its own, and the busiest one sets the bound
-(`launch.local --link` gives a local cluster such links):
+link is a limit of its own; and a worker's step reads before it pushes, so
+its read and push times add up (`step_time_bound`). `launch.local --link`
+gives a local cluster such links, limiting what each task sends:
 
     python -m app.plan --config configs/mnist_ps.toml --ps 2 --workers 2 --link 1gbit
 """
@@ -137,11 +138,25 @@ def link_loads(traffic: Traffic, num_workers: int) -> list[LinkLoad]:
 
 
 def step_time_bound(traffic: Traffic, num_workers: int,
-                    rate_bits: float) -> tuple[float, LinkLoad]:
-    """(the least seconds a training step can take on links of `rate_bits` per
-    second each way, the busiest direction of a link, which sets it)."""
+                    rate_bits: float) -> tuple[float, str]:
+    """(the least seconds a training step of the cluster can take on links of
+    `rate_bits` per second each way, what sets it).
+
+    Two limits, the larger binds. Each direction of each link carries its bytes
+    (`link_loads`), however the steps overlap. And a worker runs one step at a
+    time, in which the gradients exist only after the variables have arrived:
+    its step takes at least the slowest ps task's read, then its own push of
+    every gradient, so `num_workers` workers finish a step at most every
+    (read + push) / num_workers.
+    """
     busiest = max(link_loads(traffic, num_workers), key=lambda load: load.nbytes)
-    return busiest.nbytes * 8 / rate_bits, busiest
+    link_s = busiest.nbytes * 8 / rate_bits
+    slowest = max(range(len(traffic.read_bytes)), key=lambda i: traffic.read_bytes[i])
+    chain_s = (traffic.read_bytes[slowest] + sum(traffic.written_bytes)) * 8 / rate_bits
+    if chain_s / num_workers > link_s * (1 + 1e-9):  # a tie names the link
+        return chain_s / num_workers, (f"each worker's read from ps:{slowest} then push, "
+                                       f"{num_workers} worker(s) in parallel")
+    return link_s, f"what {busiest.task} {busiest.direction}"
 
 
 def print_bound(traffic: Traffic, num_workers: int, link_text: str, rate_bits: float) -> None:
@@ -151,9 +166,9 @@ def print_bound(traffic: Traffic, num_workers: int, link_text: str, rate_bits: f
     for load in link_loads(traffic, num_workers):
         print(f"  {load.task:<12} {load.direction:<8} {human_size(round(load.nbytes)):>10}  "
               f"{load.nbytes * 8 / rate_bits * 1000:8.1f} ms")
-    seconds, busiest = step_time_bound(traffic, num_workers, rate_bits)
-    print(f"lower bound on the step time: {seconds * 1000:.1f} ms, set by what {busiest.task} "
-          f"{busiest.direction} (at most {1 / seconds:.1f} steps/s across the workers)")
+    seconds, binding = step_time_bound(traffic, num_workers, rate_bits)
+    print(f"lower bound on the step time: {seconds * 1000:.1f} ms, set by {binding} "
+          f"(at most {1 / seconds:.1f} steps/s across the workers)")
 
 
 def main(argv: list[str] | None = None) -> int:

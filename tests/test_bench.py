@@ -139,14 +139,19 @@ def test_a_link_that_cannot_be_read_is_an_error_before_any_run(capsys):
 
 
 def test_ps_rows_get_app_plans_bound_for_their_own_settings():
-    rr, rr_link = bench.plan_bound("ps_2w2p_rr", "1gbit", "configs/mnist.toml", [])
-    balanced, _ = bench.plan_bound("ps_2w2p", "1gbit", "configs/mnist.toml", [])
-    fp16, fp16_link = bench.plan_bound("ps_2w2p_fp16", "1gbit", "configs/mnist.toml", [])
-    # Round-robin leaves the whole 12.25 MiB dense kernel on one ps task; min_size
-    # splits it, halving the busiest link's bytes. Float16 pushes halve the
-    # gradients, but the float32 reads out of the ps tasks still bind.
-    assert rr_link.endswith(" sends") and rr / balanced == pytest.approx(2, rel=0.05)
-    assert fp16 == pytest.approx(balanced) and fp16_link.endswith(" sends")
+    rr, _ = bench.plan_bound("ps_2w2p_rr", "1gbit", "configs/mnist.toml", [])
+    balanced, balanced_by = bench.plan_bound("ps_2w2p", "1gbit", "configs/mnist.toml", [])
+    fp16, fp16_by = bench.plan_bound("ps_2w2p_fp16", "1gbit", "configs/mnist.toml", [])
+    # Round-robin leaves the whole 12.25 MiB dense kernel on one ps task, which
+    # sends it for every step (and a worker's read of it then push of all
+    # gradients, 2 in parallel, takes as long); min_size splits it, and a worker's
+    # read of half of it then push of all of it binds: (6.3 + 12.5) / 2 MiB.
+    assert rr == pytest.approx(12.5 * 2**20 * 8 / 1e9, rel=0.01)
+    assert rr / balanced == pytest.approx(12.5 / ((6.3 + 12.5) / 2), rel=0.02)
+    assert balanced_by.startswith("each worker's read")
+    # Float16 pushes halve the push; the float32 reads out of a ps task then bind.
+    assert balanced / fp16 == pytest.approx((6.3 + 12.5) / 2 / 6.3, rel=0.02)
+    assert fp16_by.endswith(" sends")
     assert bench.plan_bound("mwms_2w", "1gbit", "configs/mnist.toml", []) is None
 
 
