@@ -15,6 +15,13 @@ CPU allocator, float32, no XLA, one step per execution), so that a speed
 switch shows up only in the row that turns it on.
 
     python -m app.bench --steps 300 --workdir runs/bench   # or: make bench
+
+With `--link RATE` the multi-task rows run over shaped links (`launch.local
+--link`), and each ps row's step time is set beside the least one app.plan
+says those links allow; `--links A,B,C` runs them at each rate and draws
+throughput against bandwidth, the single process as the ceiling:
+
+    python -m app.bench --links 100mbit,1gbit,10gbit --rows baseline,ps_2w2p,mwms_2w
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import tempfile
 import time
 
 from app import config as cfg
+from launch import network  # the link syntax of launch.local --link
 
 _TRAIN = ("-m", "app.train")
 _LOCAL = ("-m", "launch.local")  # one process per task, see launch/local.py
@@ -112,7 +120,39 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/bench"))
+    links = parser.add_mutually_exclusive_group()
+    links.add_argument("--link", metavar="RATE[,DELAY]",
+                       help="run the multi-task rows over links of RATE per task "
+                            "(launch.local --link; needs root), e.g. 1gbit")
+    links.add_argument("--links", metavar="RATE,RATE,...",
+                       help="a bandwidth sweep: the multi-task rows at each rate, "
+                            "e.g. 100mbit,1gbit,10gbit")
     return parser.parse_args(argv)
+
+
+def link_list(args: argparse.Namespace) -> list[str | None]:
+    """The links the multi-task rows run over: [None] for loopback as it is.
+    ValueError naming the one that cannot be read."""
+    texts = [args.link] if args.link else (args.links.split(",") if args.links else [None])
+    for text in texts:
+        if text is not None:
+            network.parse_link(text)
+    return texts
+
+
+def multi_task(row: str) -> bool:
+    """Whether `row` is a cluster of processes (launch.local), which links can shape."""
+    return ROWS[row].args[:2] == _LOCAL
+
+
+def entries(rows: list[str], links: list[str | None]) -> list[tuple[str, str, str | None]]:
+    """(name, row, link) of each run: a multi-task row once per link ("ps_2w2p@1gbit"
+    in a sweep), a single-process row once, with no link."""
+    out = []
+    for row in rows:
+        for link in (links if multi_task(row) else [None]):
+            out.append((f"{row}@{link}" if len(links) > 1 and link else row, row, link))
+    return out
 
 
 def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
@@ -124,12 +164,54 @@ def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
     return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
 
 
-def row_args(row: str, base_args: list[str], gpus: int) -> list[str]:
+def row_args(row: str, base_args: list[str], gpus: int, link: str | None = None) -> list[str]:
     """The command line of `row`: its module, the shared arguments, then its own settings."""
     module, rest = ROWS[row].args[:2], list(ROWS[row].args[2:])
     if row == "mirrored_2dev":
         rest += _devices(gpus)
+    if link and multi_task(row):
+        rest += ["--link", link]
     return [*module, *base_args, *rest]
+
+
+def row_cluster(row: str) -> tuple[int, int, list[str]]:
+    """(workers, ps tasks, --set items) of a multi-task row."""
+    args = ROWS[row].args
+    value = {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--")}
+    sets = [args[i + 1] for i, flag in enumerate(args) if flag == "--set"]
+    return int(value["--workers"]), int(value["--ps"]), sets
+
+
+def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
+               ) -> tuple[float, str] | None:
+    """app.plan's least step time of ps row `row` over `link`, in seconds, and what
+    sets it ("what ps:1 sends"); None for a row without ps."""
+    if not multi_task(row) or not row_cluster(row)[1]:
+        return None
+    from app import plan  # builds the model: TensorFlow, only when a link asks for it
+
+    workers, num_ps, sets = row_cluster(row)
+    config = cfg.load(config_path, [*PLAIN, *overrides, *sets])
+    _, traffic = plan.predict(config, num_ps)
+    return plan.step_time_bound(traffic, workers, network.parse_link(link).rate_bits)
+
+
+def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -> None:
+    """Set each bounded row's measured step time beside app.plan's bound."""
+    for name, (seconds, binding) in bounds.items():
+        r = results[name]
+        r["plan_bound_ms"], r["plan_bound_link"] = round(seconds * 1000, 1), binding
+        if r["steps_per_sec"]:
+            r["step_ms"] = round(1000 / r["steps_per_sec"], 1)
+            r["step_over_bound"] = round(r["step_ms"] / r["plan_bound_ms"], 3)
+
+
+def bound_lines(results: dict[str, dict]) -> list[str]:
+    """"ps_2w2p: step 560.0 ms, app.plan's bound 530.8 ms (what ps:1 sends): 1.055x"."""
+    return [f"{name}: step {r.get('step_ms', 0):.1f} ms, app.plan's bound "
+            f"{r['plan_bound_ms']:.1f} ms ({r['plan_bound_link']}): "
+            f"{r.get('step_over_bound', 0):.3f}x"
+            for name, r in results.items() if "plan_bound_ms" in r]
 
 
 def _devices(gpus: int) -> list[str]:
@@ -216,14 +298,17 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
     return found
 
 
-def run(rows: list[str], base_args: list[str], repeats: int, gpus: int,
-        tmp: pathlib.Path) -> dict[str, dict]:
-    runs: dict[str, list[dict]] = {row: [] for row in rows}
+def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
+        gpus: int, tmp: pathlib.Path) -> dict[str, dict]:
+    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in schedule}
     for r in range(repeats):
-        for i, row in enumerate(rows):
-            metrics = measure(row_args(row, base_args, gpus), tmp / f"{r}-{i}")
-            runs[row].append(metrics)
-            print(f"  repeat {r + 1}/{repeats} {row}: "
+        for i, (name, row, link) in enumerate(schedule):
+            metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
+            if link:
+                metrics["link"] = link
+            runs[name].append(metrics)
+            print(f"  repeat {r + 1}/{repeats} {name}: "
                   f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
     return summarize(runs)
 
@@ -234,7 +319,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
         results[row] = {
-            "what": ROWS[row].what,
+            "what": ROWS[row.split("@")[0]].what,
             "examples_per_sec": statistics.median(samples),
             "samples": samples,
             "steps_per_sec": statistics.median(m.get("train_steps_per_sec", 0) for m in metrics),
@@ -247,7 +332,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                             for task in metrics[0].get("cpu_seconds", {})},
             "num_replicas": metrics[0]["num_replicas"],
         }
-        for key in ("mode", "backup_workers", "stale_dropped", "contributions"):
+        for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link"):
             if key in metrics[0]:
                 results[row][key] = metrics[0][key]
         if "ps_bytes" in metrics[0]:
@@ -282,14 +367,22 @@ def cpu_text(cpu: dict[str, float]) -> str:
                     for task, seconds in sorted(cpu.items(), key=lambda item: -item[1]))
 
 
-def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
-    """Ratios as bars and the bytes of each ps task, as a PNG; False without matplotlib."""
+def _pyplot():
+    """matplotlib.pyplot drawing to files, or None without matplotlib."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
+    """Ratios as bars and the bytes of each ps task, as a PNG; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
         return False
     ps_rows = {row: r for row, r in results.items() if "ps_bytes" in r}
     fig, axes = plt.subplots(1, 2 if ps_rows else 1, figsize=(12 if ps_rows else 7, 4.5),
@@ -316,6 +409,35 @@ def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
         ax.set_ylabel("MiB of variables and optimizer slots")
         ax.set_title("bytes per parameter server")
         ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def sweep_chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
+    """Examples/s of each multi-task row against its link rate, with the single
+    process (no network at all) as the ceiling, as a PNG; False without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return False
+    curves: dict[str, list[tuple[int, float]]] = {}
+    for name, r in results.items():
+        if "link" in r:
+            rate = network.parse_link(r["link"]).rate_bits
+            curves.setdefault(name.split("@")[0], []).append((rate, r["examples_per_sec"]))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for row, points in curves.items():
+        points.sort()
+        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=row)
+    ax.axhline(results[BASELINE]["examples_per_sec"], color="black", linestyle="--",
+               linewidth=0.8, label=f"{BASELINE}: one process, no network")
+    ax.set_xscale("log")
+    ax.set_xlabel("link rate of each task, each way (bit/s)")
+    ax.set_ylabel("examples/s")
+    ax.set_title("throughput against bandwidth")
+    ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -355,30 +477,38 @@ def main(argv: list[str] | None = None) -> int:
     if rows[0] != BASELINE:
         rows = [BASELINE, *(row for row in rows if row != BASELINE)]  # ratios need it first
     try:
+        links = link_list(args)
+        if links != [None] and (problem := network.preflight()):
+            raise ValueError(problem)  # before any row runs, not in the first cluster's log
         base_args = train_args(args.config, args.set, args.steps)
-    except cfg.ConfigError as e:
+    except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    schedule = entries(rows, links)
+    bounds = {name: bound for name, row, link in schedule
+              if link and (bound := plan_bound(row, link, args.config, args.set))}
     host = machine()
     command = " ".join(["python -m app.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            results = run(rows, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+            results = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
         except RuntimeError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+    add_bounds(results, bounds)
     report = {"command": command, "machine": host, "steps": args.steps,
-              "repeats": args.repeats, "rows": results}
+              "repeats": args.repeats, **({"links": links} if links != [None] else {}),
+              "rows": results}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     title = f"{command}\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}"
-    drawn = chart(results, title, args.workdir / "bench.png")
-    print(table(results))
+    drawn = (sweep_chart if len(links) > 1 else chart)(results, title,
+                                                      args.workdir / "bench.png")
+    print("\n".join([table(results), *bound_lines(results)]))
     print(f"wrote {args.workdir / 'bench.json'}"
           + (f" and {args.workdir / 'bench.png'}" if drawn else
              " (no chart: matplotlib is missing; pip install -e '.[bench]')"))
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,14 @@ prediction against the placement of a real in-process cluster.
 Per step, a worker reads every trainable variable from its ps task and sends a
 gradient of the same size back (half the size with ps.compression = fp16);
 optimizer slots never leave the ps.
+
+With `--link RATE` those bytes become a lower bound on the time of a training
+step: every task has a full-duplex link of RATE, so each direction of each
+link is a limit of its own; and a worker's step reads before it pushes, so
+its read and push times add up (`step_time_bound`). `launch.local --link`
+gives a local cluster such links, limiting what each task sends:
+
+    python -m app.plan --config configs/mnist_ps.toml --ps 2 --workers 2 --link 1gbit
 """
 
 from __future__ import annotations
@@ -109,18 +117,81 @@ def _shard_rows(var, partitioner) -> list[int]:
     return [rows // num + (1 if i < rows % num else 0) for i in range(num)]
 
 
+@dataclasses.dataclass(frozen=True)
+class LinkLoad:
+    """The bytes one direction of one task's link carries per training step."""
+    task: str  # "ps:0", or "each worker"
+    direction: str  # "sends" or "receives"
+    nbytes: float
+
+
+def link_loads(traffic: Traffic, num_workers: int) -> list[LinkLoad]:
+    """Per step of the cluster (one batch on one worker), the bytes each direction
+    of each task's link carries: a ps task sends its variables and receives their
+    gradients; the workers share the steps, so each worker's link carries its share
+    of all the ps tasks' bytes."""
+    loads = []
+    for i, (read, written) in enumerate(zip(traffic.read_bytes, traffic.written_bytes,
+                                            strict=True)):
+        loads += [LinkLoad(f"ps:{i}", "sends", read), LinkLoad(f"ps:{i}", "receives", written)]
+    return loads + [
+        LinkLoad("each worker", "receives", sum(traffic.read_bytes) / num_workers),
+        LinkLoad("each worker", "sends", sum(traffic.written_bytes) / num_workers)]
+
+
+def step_time_bound(traffic: Traffic, num_workers: int,
+                    rate_bits: float) -> tuple[float, str]:
+    """(the least seconds a training step of the cluster can take on links of
+    `rate_bits` per second each way, what sets it).
+
+    Two limits, the larger binds. Each direction of each link carries its bytes
+    (`link_loads`), however the steps overlap. And a worker runs one step at a
+    time, in which the gradients exist only after the variables have arrived:
+    its step takes at least the slowest ps task's read, then its own push of
+    every gradient, so `num_workers` workers finish a step at most every
+    (read + push) / num_workers.
+    """
+    busiest = max(link_loads(traffic, num_workers), key=lambda load: load.nbytes)
+    link_s = busiest.nbytes * 8 / rate_bits
+    slowest = max(range(len(traffic.read_bytes)), key=lambda i: traffic.read_bytes[i])
+    chain_s = (traffic.read_bytes[slowest] + sum(traffic.written_bytes)) * 8 / rate_bits
+    if chain_s / num_workers > link_s * (1 + 1e-9):  # a tie names the link
+        return chain_s / num_workers, (f"each worker's read from ps:{slowest} then push, "
+                                       f"{num_workers} worker(s) in parallel")
+    return link_s, f"what {busiest.task} {busiest.direction}"
+
+
+def print_bound(traffic: Traffic, num_workers: int, link_text: str, rate_bits: float) -> None:
+    """The per-link times of one step and the bound they set."""
+    print(f"over a {link_text} link per task (each direction on its own: links are full "
+          f"duplex), per training step of the cluster, {num_workers} worker(s) sharing them:")
+    for load in link_loads(traffic, num_workers):
+        print(f"  {load.task:<12} {load.direction:<8} {human_size(round(load.nbytes)):>10}  "
+              f"{load.nbytes * 8 / rate_bits * 1000:8.1f} ms")
+    seconds, binding = step_time_bound(traffic, num_workers, rate_bits)
+    print(f"lower bound on the step time: {seconds * 1000:.1f} ms, set by {binding} "
+          f"(at most {1 / seconds:.1f} steps/s across the workers)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--ps", type=int, required=True, help="number of ps tasks")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="workers sharing the steps (for --link)")
+    parser.add_argument("--link", metavar="RATE",
+                        help="each task's link, e.g. 1gbit: the least time a step can take")
     args = parser.parse_args(argv)
     try:
         config = cfg.load(args.config, args.set)
         if args.ps < 1:
             raise cfg.ConfigError(f"--ps {args.ps}: need at least 1 ps task")
+        if args.workers < 1:
+            raise cfg.ConfigError(f"--workers {args.workers}: need at least 1 worker")
+        rate_bits = _link_rate(args.link)
         placement, traffic = predict(config, args.ps)
-    except cfg.ConfigError as e:
+    except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"ps.partitioner = {config.ps.partitioner}")
@@ -129,7 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.ps):
         print(f"  ps:{i}  sends {human_size(traffic.read_bytes[i]):>10} (variables), "
               f"receives {human_size(traffic.written_bytes[i]):>10} (gradients)")
+    if rate_bits:
+        print_bound(traffic, args.workers, args.link, rate_bits)
     return 0
+
+
+def _link_rate(text: str | None) -> float | None:
+    """Bits per second of `--link`, read as `launch.local --link` reads it."""
+    if text is None:
+        return None
+    from launch.network import parse_link  # the launcher's own parser: one syntax for both
+
+    return parse_link(text).rate_bits
 
 
 if __name__ == "__main__":

@@ -21,11 +21,12 @@ import portpicker
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
-def cluster_spec(num_workers: int, num_ps: int) -> dict[str, list[str]]:
+def cluster_spec(num_workers: int, num_ps: int,
+                 host: str = "localhost") -> dict[str, list[str]]:
     """Free local ports for a chief, `num_workers` workers and `num_ps` ps tasks;
     with no ps, for the workers alone (a synchronous cluster)."""
     def addresses(n: int) -> list[str]:
-        return [f"localhost:{portpicker.pick_unused_port()}" for _ in range(n)]
+        return [f"{host}:{portpicker.pick_unused_port()}" for _ in range(n)]
 
     if not num_ps:
         return {"worker": addresses(num_workers)}

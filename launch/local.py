@@ -12,6 +12,14 @@ training all are stopped, and `--max-restarts` relaunches them.
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
     python -m launch.local --workers 2 --ps 1 --evaluator --config configs/mnist_ps.toml
+
+With `--link RATE[,DELAY]` the cluster runs in a private network namespace
+where every task has a link of its own (launch/network.py says how, and what
+such a link cannot shape); `--partition TASK@SECONDS[+DURATION]` then cuts a
+task off the network for a while, without stopping it (needs root):
+
+    python -m launch.local --workers 2 --ps 2 --link 1gbit --config configs/mnist_ps.toml
+    python -m launch.local --workers 2 --ps 1 --link 10gbit,0.1ms --partition worker:1@40+30
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ import time
 import portpicker
 
 from app.workdir import default_path
+from launch import network
 from launch.inprocess import cluster_spec
 
 STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
@@ -91,6 +100,25 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
     return out
 
 
+def start_tasks(args: argparse.Namespace, train_args: list[str]
+                ) -> tuple[list[Task], network.Links | None]:
+    """Pick the ports, give them links when asked (in this process's own network
+    namespace), start every task; (the tasks, their links or None)."""
+    host = network.HOST if args.link else "localhost"
+    spec = cluster_spec(args.workers, args.ps, host)
+    if args.evaluator:  # listed in the cluster, as Kubeflow does; it serves nothing
+        spec["evaluator"] = [f"{host}:{portpicker.pick_unused_port()}"]
+    links = None
+    if args.link:
+        links = network.Links(args.link, network.task_ports(spec), announce)
+        announce(f"every task's port limited to {args.link_text} each way")
+    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
+             for i in range(len(spec.get(job, ())))]
+    if links:
+        links.schedule(args.partitions, serving=task_labels(args))
+    return tasks, links
+
+
 def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, bool]:
     """Start every task, wait for the lead one; (its exit code, whether a worker failed).
 
@@ -98,11 +126,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     parameter servers a dead worker is the coordinator's business; in
     synchronous training it stalls the others, so all are stopped.
     """
-    spec = cluster_spec(args.workers, args.ps)
-    if args.evaluator:  # listed in the cluster, as Kubeflow does; it serves nothing
-        spec["evaluator"] = [f"localhost:{portpicker.pick_unused_port()}"]
-    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
-             for i in range(len(spec.get(job, ())))]
+    tasks, links = start_tasks(args, train_args)
     lead = tasks[-1] if args.ps else next(t for t in tasks if t.label == "worker:0")
     synchronous = not args.ps
     failed = None
@@ -117,6 +141,10 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         for task in tasks:
             task.finish()
         raise
+    finally:
+        if links:
+            links.cancel()
+            announce(f"bytes through each task's link: {links.report()}")
     if failed is not None and failed is not lead:
         announce(f"{failed.label} exited with {failed.process.returncode}; stopping the others")
     code = lead.process.poll()
@@ -136,6 +164,41 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     return (1 if failed else code), failed is not None
 
 
+def task_labels(args: argparse.Namespace) -> list[str]:
+    """The tasks that serve (all but the evaluator): "chief:0", "worker:0", ..."""
+    labels = ["chief:0"] if args.ps else []
+    labels += [f"worker:{i}" for i in range(args.workers)]
+    return labels + [f"ps:{i}" for i in range(args.ps)]
+
+
+def parse_network(args: argparse.Namespace) -> None:
+    """Read --link and --partition into args.link (a Link or None), args.link_text
+    and args.partitions; ValueError naming the flag and the fix."""
+    args.link_text, args.partitions = args.link, []
+    if args.partition and not args.link:
+        raise ValueError("--partition needs --link: a partition cuts a task's link, and "
+                         "tasks have links only with --link (e.g. --link 10gbit)")
+    args.link = network.parse_link(args.link) if args.link else None
+    # Not the evaluator: it reads checkpoints from the workdir, not the network.
+    args.partitions = [network.parse_partition(p, task_labels(args)) for p in args.partition]
+
+
+def enter_network(argv: list[str]) -> int | None:
+    """With --link: re-run the launcher in a network namespace of its own (its exit
+    code), or set up that namespace when this is it (None); 2 when links cannot be made."""
+    try:
+        if network.inside():
+            network.setup_loopback()
+            return None
+        problem = network.preflight()
+        if problem:
+            raise network.NetworkError(problem)
+    except network.NetworkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return network.run_in_namespace(["-m", "launch.local", *argv])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.local",
                                      description=__doc__.split("\n")[0],
@@ -148,9 +211,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-restarts", type=int, default=0,
                         help="relaunch every task up to N times after a failure; training "
                              "resumes from the workdir's backup (like torchrun)")
+    parser.add_argument("--link", metavar="RATE[,DELAY]",
+                        help="give every task a link of its own, RATE each way plus DELAY "
+                             "(e.g. 1gbit, 10gbit,0.1ms), in a private network namespace; "
+                             "needs root and iproute2")
+    parser.add_argument("--partition", action="append", default=[],
+                        metavar="TASK@SECONDS[+DURATION]",
+                        help="with --link: cut TASK off the network SECONDS after every task "
+                             "serves, for DURATION seconds or to the end (e.g. worker:1@40+30)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
     if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
         parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
+    try:
+        parse_network(args)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.link and (code := enter_network(argv)) is not None:
+        return code
     if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
         train_args += ["--workdir", str(default_path())]
     train_args = thread_settings(args.workers, train_args) + train_args

@@ -111,3 +111,71 @@ def test_smoke_writes_a_report_with_ratios(tmp_path):
     for r in rows.values():
         assert r["examples_per_sec"] > 0 and len(r["samples"]) == 1
         assert r["peak_memory_mib"] > 100  # a TensorFlow process is never smaller
+
+
+def test_links_shape_only_the_multi_task_rows():
+    base = bench.train_args("configs/mnist.toml", [], 10)
+    ps = bench.row_args("ps_2w2p", base, gpus=0, link="1gbit")
+    assert ps[:2] == ["-m", "launch.local"] and ps[-2:] == ["--link", "1gbit"]
+    assert "--link" not in bench.row_args("baseline", base, gpus=0, link="1gbit")
+    assert "--link" not in bench.row_args("ps_2w2p", base, gpus=0)
+
+
+def test_a_sweep_runs_each_multi_task_row_once_per_link():
+    rows = ["baseline", "ps_2w2p", "mwms_2w"]
+    assert bench.entries(rows, [None]) == [("baseline", "baseline", None),
+                                           ("ps_2w2p", "ps_2w2p", None),
+                                           ("mwms_2w", "mwms_2w", None)]
+    assert bench.entries(rows, ["1gbit"])[1] == ("ps_2w2p", "ps_2w2p", "1gbit")
+    assert bench.entries(rows, ["100mbit", "1gbit"]) == [
+        ("baseline", "baseline", None),
+        ("ps_2w2p@100mbit", "ps_2w2p", "100mbit"), ("ps_2w2p@1gbit", "ps_2w2p", "1gbit"),
+        ("mwms_2w@100mbit", "mwms_2w", "100mbit"), ("mwms_2w@1gbit", "mwms_2w", "1gbit")]
+
+
+def test_a_link_that_cannot_be_read_is_an_error_before_any_run(capsys):
+    assert bench.main(["--links", "1gbit,fast", "--rows", "ps_2w2p"]) == 2
+    assert "error: --link 'fast': cannot read 'fast'" in capsys.readouterr().err
+
+
+def test_ps_rows_get_app_plans_bound_for_their_own_settings():
+    rr, _ = bench.plan_bound("ps_2w2p_rr", "1gbit", "configs/mnist.toml", [])
+    balanced, balanced_by = bench.plan_bound("ps_2w2p", "1gbit", "configs/mnist.toml", [])
+    fp16, fp16_by = bench.plan_bound("ps_2w2p_fp16", "1gbit", "configs/mnist.toml", [])
+    # Round-robin leaves the whole 12.25 MiB dense kernel on one ps task, which
+    # sends it for every step (and a worker's read of it then push of all
+    # gradients, 2 in parallel, takes as long); min_size splits it, and a worker's
+    # read of half of it then push of all of it binds: (6.3 + 12.5) / 2 MiB.
+    assert rr == pytest.approx(12.5 * 2**20 * 8 / 1e9, rel=0.01)
+    assert rr / balanced == pytest.approx(12.5 / ((6.3 + 12.5) / 2), rel=0.02)
+    assert balanced_by.startswith("each worker's read")
+    # Float16 pushes halve the push; the float32 reads out of a ps task then bind.
+    assert balanced / fp16 == pytest.approx((6.3 + 12.5) / 2 / 6.3, rel=0.02)
+    assert fp16_by.endswith(" sends")
+    assert bench.plan_bound("mwms_2w", "1gbit", "configs/mnist.toml", []) is None
+
+
+def test_measured_step_times_are_set_beside_the_bound():
+    results = {"ps_2w2p": {"steps_per_sec": 2.0}, "baseline": {"steps_per_sec": 5.0}}
+    bench.add_bounds(results, {"ps_2w2p": (0.4, "ps:1 sends")})
+    assert results["ps_2w2p"]["step_ms"] == 500 and results["ps_2w2p"]["step_over_bound"] == 1.25
+    assert "plan_bound_ms" not in results["baseline"]
+    assert bench.bound_lines(results) == [
+        "ps_2w2p: step 500.0 ms, app.plan's bound 400.0 ms (ps:1 sends): 1.250x"]
+
+
+def test_sweep_chart_draws_throughput_against_bandwidth(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = {"baseline": {"examples_per_sec": 700},
+               "ps_2w2p@100mbit": {"examples_per_sec": 200, "link": "100mbit"},
+               "ps_2w2p@1gbit": {"examples_per_sec": 600, "link": "1gbit"}}
+    assert bench.sweep_chart(results, "title", tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweeps_rows_keep_their_link_and_their_rows_description():
+    run = {"train_examples_per_sec": 300, "peak_memory_mib": 900, "num_replicas": 1,
+           "link": "1gbit"}
+    results = bench.summarize({"baseline": [{**run, "link": None}], "ps_2w2p@1gbit": [run]})
+    assert results["ps_2w2p@1gbit"]["link"] == "1gbit"
+    assert results["ps_2w2p@1gbit"]["what"] == bench.ROWS["ps_2w2p"].what

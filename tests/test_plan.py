@@ -48,3 +48,40 @@ def test_plan_command_prints_the_report(capsys):
     assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
     assert "max/mean = 1.013" in out
     assert plan.main(["--ps", "0"]) == 2
+
+
+def test_a_link_turns_the_busiest_directions_bytes_into_a_step_time_bound():
+    traffic = plan.Traffic(read_bytes=[100, 300], gradient_scale=0.5)
+    loads = {(load.task, load.direction): load.nbytes for load in plan.link_loads(traffic, 2)}
+    assert loads == {("ps:0", "sends"): 100, ("ps:0", "receives"): 50,
+                     ("ps:1", "sends"): 300, ("ps:1", "receives"): 150,
+                     # two workers share the steps, so each takes half of all the bytes
+                     ("each worker", "receives"): 200, ("each worker", "sends"): 100}
+    # 300 bytes out of ps:1 a step; a worker's read (300) and push (200), 2 in parallel: 250.
+    assert plan.step_time_bound(traffic, num_workers=2, rate_bits=8000) == (
+        pytest.approx(300 * 8 / 8000), "what ps:1 sends")
+
+
+def test_a_workers_read_then_push_bounds_the_step_when_it_is_longer():
+    # float32 pushes: a worker reads 300 bytes from ps:1, then pushes 400; two workers
+    # in parallel finish a step every 350 bytes' time, more than any link's 300.
+    seconds, binding = plan.step_time_bound(plan.Traffic([100, 300]), 2, rate_bits=8000)
+    assert seconds == pytest.approx(350 * 8 / 8000)
+    assert binding == "each worker's read from ps:1 then push, 2 worker(s) in parallel"
+
+
+def test_plan_command_prints_the_bound_of_a_link(capsys):
+    args = ["--config", "configs/mnist_ps.toml", "--ps", "2", "--link", "1gbit"]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    # min_size splits the 12.25 MiB kernel in two: a worker reads the larger half
+    # (6.3 MiB) from its ps task, then pushes all 12.5 MiB of gradients.
+    bound = re.search(r"lower bound on the step time: ([\d.]+) ms, set by each worker's read "
+                      r"from ps:\d then push, 2 worker\(s\) in parallel", out)
+    assert bound and float(bound[1]) == pytest.approx((6.3 + 12.5) * 2**20 * 8 / 1e9 / 2 * 1000,
+                                                      rel=0.01)
+    # Float16 pushes halve that chain; the 6.3 MiB leaving a ps task each step binds.
+    assert plan.main([*args, "--set", "ps.compression=fp16"]) == 0
+    assert re.search(r"set by what ps:\d sends", capsys.readouterr().out)
+    assert plan.main(["--ps", "2", "--link", "1gb"]) == 2
+    assert "error: --link '1gb': cannot read '1gb'" in capsys.readouterr().err
