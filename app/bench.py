@@ -104,6 +104,18 @@ ROWS: dict[str, Row] = {
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync")),
     "straggler_sync_b1": Row("the same, ps.mode=sync, 1 backup worker",
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
+    # The recommender rows, for `--config configs/recommender.toml --set task.table_scale=0.05`
+    # (the baseline row is then the recommender in one process): the same task and
+    # global batch with sharded tables on 2 ps tasks or replicated on 2 workers,
+    # with tables 8 times as large, and with the hot ids at the front of each table.
+    "rec_ps_2w2p": Row("recommender, ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "rec_mwms_2w": Row("recommender, MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "rec_ps_2w2p_8x": Row("rec_ps_2w2p with tables 8x as large (task.table_scale=0.4)",
+                          _ps(2, 2, "task.table_scale=0.4")),
+    "rec_mwms_2w_8x": Row("rec_mwms_2w with tables 8x as large (task.table_scale=0.4)",
+                          _ps(2, 0, "task.table_scale=0.4")),
+    "rec_ps_2w2p_ranked": Row("rec_ps_2w2p with the hot ids at the front of each table",
+                              _ps(2, 2, "task.ids=ranked")),
 }
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
@@ -157,10 +169,13 @@ def entries(rows: list[str], links: list[str | None]) -> list[tuple[str, str, st
 
 def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
     """app.train arguments for a run of exactly `steps` steps of pure training."""
-    batch = cfg.load(config_path, [*PLAIN, *overrides]).train.global_batch_size
-    fixed = ["task.source=synthetic", f"task.train_examples={steps * batch}",
+    config = cfg.load(config_path, [*PLAIN, *overrides])
+    batch = config.train.global_batch_size
+    fixed = [f"task.train_examples={steps * batch}",
              "task.validation_examples=0", f"task.test_examples={batch}", "train.epochs=1",
              "eval.test_every_epoch=false", "train.verbose=0"]
+    if config.task.name == "mnist":  # it reads files by default; the others generate their data
+        fixed.insert(0, "task.source=synthetic")
     return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
 
 
@@ -230,11 +245,12 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
     with open(workdir.with_suffix(".log"), "w") as log:
         process = subprocess.Popen([sys.executable, *args, "--workdir", str(workdir)],
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
-        peak, cpu = 0, {}
+        peak, cpu, peaks = 0, {}, {}
         while process.poll() is None:
             pids = tree(process.pid)
             peak = max(peak, rss(pids))
             cpu.update(cpu_seconds(pids))  # a process that has ended keeps its last reading
+            peaks.update(peak_rss(pids))
             time.sleep(0.2)
     if process.returncode:
         tail = workdir.with_suffix(".log").read_text()[-3000:]
@@ -245,6 +261,10 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
     for task, seconds in cpu.values():
         by_task[task] = round(by_task.get(task, 0) + seconds, 1)
     metrics["cpu_seconds"] = by_task
+    largest: dict[str, float] = {}
+    for task, peak_bytes in peaks.values():
+        largest[task] = max(largest.get(task, 0), round(peak_bytes / 2**20, 1))
+    metrics["peak_rss_mib_by_task"] = largest
     return metrics
 
 
@@ -298,6 +318,27 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
     return found
 
 
+def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """Per pid: its cluster task type (as `cpu_seconds` names it) and the peak resident
+    bytes the kernel recorded for it so far (VmHWM), so no peak falls between polls."""
+    found = {}
+    for p in pids:
+        try:
+            status = pathlib.Path(f"/proc/{p}/status").read_text()
+            environ = pathlib.Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+            cmdline = pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
+        except OSError:
+            continue  # ended meanwhile
+        task = "launcher" if b"launch.local" in cmdline else "main"
+        for item in environ:
+            if item.startswith(b"TF_CONFIG="):
+                task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
+        for line in status.splitlines():
+            if line.startswith("VmHWM:"):
+                found[p] = task, int(line.split()[1]) * 1024
+    return found
+
+
 def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
         gpus: int, tmp: pathlib.Path) -> dict[str, dict]:
     """Measure each (name, row, link) of `schedule` `repeats` times, interleaved."""
@@ -332,9 +373,13 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                             for task in metrics[0].get("cpu_seconds", {})},
             "num_replicas": metrics[0]["num_replicas"],
         }
-        for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link"):
+        for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link",
+                    "test_auc", "bayes_test_auc", "ps_traffic"):
             if key in metrics[0]:
                 results[row][key] = metrics[0][key]
+        results[row]["peak_rss_mib_by_task"] = {
+            task: max(m["peak_rss_mib_by_task"].get(task, 0) for m in metrics)
+            for task in metrics[0].get("peak_rss_mib_by_task", {})}
         if "ps_bytes" in metrics[0]:
             results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
             results[row]["ps_balance"] = metrics[0]["ps_balance"]

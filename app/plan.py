@@ -11,7 +11,9 @@ prediction against the placement of a real in-process cluster.
 
 Per step, a worker reads every trainable variable from its ps task and sends a
 gradient of the same size back (half the size with ps.compression = fp16);
-optimizer slots never leave the ps.
+optimizer slots never leave the ps. A variable the task reads by lookup (an
+embedding table, `Task.lookup_rows`) moves only the rows a batch of
+train.global_batch_size looks up, and the ids of those rows with them.
 
 With `--link RATE` those bytes become a lower bound on the time of a training
 step: every task has a full-duplex link of RATE, so each direction of each
@@ -37,11 +39,16 @@ from app.parameter_server import Placement, Shard, base_name, human_size
 class Traffic:
     read_bytes: list[int]  # ps -> worker per step: the trainable variables
     gradient_scale: float = 1.0  # gradient bytes per variable byte: 0.5 when sent as float16
+    # worker -> ps per step besides gradient values: for tables read by lookup, the
+    # int64 ids looked up and the indices of the gradient's rows (empty: none).
+    index_bytes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def written_bytes(self) -> list[int]:
-        """worker -> ps per step: the gradients."""
-        return [round(n * self.gradient_scale) for n in self.read_bytes]
+        """worker -> ps per step: the gradients (and the ids of the rows looked up)."""
+        extra = self.index_bytes or [0] * len(self.read_bytes)
+        return [round(n * self.gradient_scale) + e
+                for n, e in zip(self.read_bytes, extra, strict=True)]
 
 
 def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
@@ -70,13 +77,17 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
 
     shards: list[Shard] = []
     read = [0] * num_ps
+    index_bytes = [0] * num_ps
+    lookup, batch = task.lookup_rows, config.train.global_batch_size
     tasks_of: dict[int, list[int]] = {}
     counter = 0
     for var in created:
         if id(var) in slots:
             continue
         tasks_of[id(var)] = []
-        for rows in _shard_rows(var, partitioner):
+        shard_rows = _shard_rows(var, partitioner)
+        looked_up = lookup(var, shard_rows, batch) if id(var) in trainable else None
+        for i, rows in enumerate(shard_rows):
             task = counter % num_ps
             counter += 1
             tasks_of[id(var)].append(task)
@@ -84,7 +95,10 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
             nbytes = math.prod(shape) * var.dtype.size
             if id(var) in reported:
                 shards.append(Shard(base_name(var.name), task, shape, nbytes))
-            if id(var) in trainable:
+            if id(var) in trainable and looked_up is not None:
+                read[task] += round(looked_up[i] * nbytes / rows)  # the rows a batch reads
+                index_bytes[task] += round(looked_up[i] * 2 * 8)  # their ids, there and back
+            elif id(var) in trainable:
                 read[task] += nbytes
     by_id = {id(v): v for v in created}
     for slot, primary in slots.items():
@@ -94,7 +108,7 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
             shards.append(Shard(base_name(var.name), task, shape,
                                 math.prod(shape) * var.dtype.size))
     scale = 0.5 if config.ps.compression == "fp16" else 1.0
-    return Placement(num_ps, tuple(shards)), Traffic(read, scale)
+    return Placement(num_ps, tuple(shards)), Traffic(read, scale, index_bytes)
 
 
 def _slots(optimizer, variables) -> dict[int, int]:

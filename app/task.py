@@ -36,7 +36,8 @@ import tf_keras as keras
 from app import config as cfg
 from app.config import ConfigError, field  # noqa: F401 (re-exported for task authors)
 
-BUILTIN = {"mnist": "app.tasks.mnist:Mnist"}
+BUILTIN = {"mnist": "app.tasks.mnist:Mnist",
+           "recommender": "app.tasks.recommender:Recommender"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +104,19 @@ class Task:
     def serving_model(self, model: keras.Model) -> keras.Model:
         """The model to export: it must take raw input (preprocessing inside)."""
         return model
+
+    def lookup_rows(self, variable: tf.Variable, shard_rows: list[int],
+                    batch_size: int) -> list[float] | None:
+        """For a variable a step reads by lookup (an embedding table): the expected
+        number of its rows one training step of `batch_size` examples reads, per row
+        shard (`shard_rows` rows each, in order). None: the step reads all of it.
+        `app.plan` predicts parameter-server traffic with it."""
+        return None
+
+    def report(self, model: keras.Model, test: dict[str, float]) -> dict[str, Any]:
+        """Figures of the task's own for metrics.json, given the trained model and its
+        test results (e.g. the best score its data allows)."""
+        return {}
 
     # -- helpers for dataset_fn ------------------------------------------------------------
 

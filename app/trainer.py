@@ -70,7 +70,7 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     task.serving_model(runner.serving(model)).save(outdir / "export", save_format="tf")
     metrics = {**_common(config, task, runner, history, model, test, throughput),
                "wall_seconds": round(time.perf_counter() - start, 2),
-               **runner.metrics(model)}
+               **runner.metrics(model), **task.report(model, test)}
     if runner.writes:
         write_json(workdir / METRICS_FILE, metrics)  # the evaluator may be waiting for it
     runner.finish(outdir, workdir)
