@@ -174,11 +174,19 @@ class DebugConfig:
     # long. -1 = off.
     slow_worker: int = -1
     slow_factor: float = 1.0
+    # Log `step S` every N steps of training (0 = never), on every training task:
+    # the fault tests read it to kill a task at a known step.
+    log_every_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     keep: int = 3
+    # Back up the training state (<workdir>/backup) every N steps as well as at
+    # each epoch's end, so a killed run resumes at most N steps behind where it
+    # died (0 = at epoch ends only). Each backup writes the model and its
+    # optimizer slots: on the CNN about 40 MB.
+    every_steps: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +227,8 @@ _NON_NEGATIVE = ("data.train_examples", "data.test_examples", "data.validation_e
                  "data.shuffle_buffer", "data.augment_shift", "runtime.cpu_devices",
                  "runtime.gpu_devices",
                  "runtime.intra_op_threads", "runtime.inter_op_threads", "train.seed",
-                 "ps.num_shards", "ps.backup_workers", "sync.bytes_per_pack")
+                 "ps.num_shards", "ps.backup_workers", "sync.bytes_per_pack",
+                 "checkpoint.every_steps", "debug.log_every_steps")
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:

@@ -23,7 +23,7 @@ from app import callbacks, data, models, parameter_server, sync_ps
 from app import strategy as strategies
 from app.cluster import Cluster, TaskLost, lost_ps
 from app.config import Config, ConfigError
-from app.workdir import BACKUP_DIR, METRICS_FILE, write_json
+from app.workdir import BACKUP_DIR, METRICS_FILE, save_dir, storage_error, write_json
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ def run(config: Config, workdir: pathlib.Path, *,
             f"parameter server {lost_ps(e.message, cluster)} became unreachable; training "
             f"stopped. Restart the whole job (launch.local --max-restarts, or the cluster's "
             f"restart policy): it resumes from {workdir / BACKUP_DIR}") from None
+    except (OSError, tf.errors.OpError) as e:
+        # A full or read-only workdir mid-run: one line that names it, exit code 2.
+        raise storage_error(e, pathlib.Path(workdir)) or e from None
     finally:
         keras.mixed_precision.set_global_policy(previous)
 
@@ -139,7 +142,10 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         history, sync_figures = sync_ps.fit(training, train_fn, epochs=config.train.epochs,
                                             steps_per_epoch=steps_per_epoch,
                                             callbacks=run_callbacks,
-                                            verbose=_verbose(config.train.verbose))
+                                            verbose=_verbose(config.train.verbose),
+                                            backup=sync_ps.SyncBackup(
+                                                training, workdir / BACKUP_DIR,
+                                                config.checkpoint.every_steps))
     else:
         history = model.fit(
             keras.utils.experimental.DatasetCreator(
@@ -153,7 +159,8 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
 
     test = evaluate(test_ds)
     examples_per_sec = throughput.examples_per_sec()
-    (evaluate.local_model if coordinated else model).save(outdir / "export", save_format="tf")
+    save_dir(outdir / "export", lambda path: (evaluate.local_model if coordinated else model).save(
+        path, save_format="tf"))  # whole or absent, never half-written
     if multi_worker:  # the same on every worker, if synchronous training kept its promise
         log.info("weights sha256 %s", weights_digest(model))
     metrics = {
@@ -177,7 +184,7 @@ def _run(config: Config, workdir: pathlib.Path, strategy: tf.distribute.Strategy
         "steps_per_execution": config.train.steps_per_execution,
         "cpu_allocator": config.runtime.cpu_allocator,
         **peak_memory_mib(),
-        "history": _history(history),
+        "history": callbacks.earlier_history(run_callbacks) + _history(history),
     }
     if ps_placement:
         metrics["ps_bytes"] = ps_placement.ps_bytes
