@@ -7,7 +7,9 @@ exit code of the lead task: the chief, or worker 0 when there are no ps
 (synchronous training). When the lead succeeds the others end by themselves;
 when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
-training all are stopped, and `--max-restarts` relaunches them.
+training all are stopped, and `--max-restarts` relaunches them. It relaunches
+after any exit code but 2 (a configuration or storage error): 3 is a lost
+task, 4 a preemption whose backup was saved (app/preemption.py).
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml

@@ -65,3 +65,18 @@ def test_thread_settings_share_the_cores_unless_chosen():
         "--set", "runtime.inter_op_threads=3"]
     assert local.thread_settings(2, ["--set", "runtime.intra_op_threads=4"]) == [
         "--set", "runtime.inter_op_threads=3"]
+
+
+@pytest.mark.parametrize("codes, calls, result", [
+    ([4, 0], 2, 0),      # preempted with the backup saved: relaunched, resumes
+    ([3, 4, 3], 3, 3),   # lost tasks: relaunched until --max-restarts runs out
+    ([2], 1, 2),         # a configuration or storage error would fail again
+])
+def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, result):
+    returned = iter(codes)
+    seen = []
+    monkeypatch.setattr(local, "run_cluster",
+                        lambda args, train_args: seen.append(1) or (next(returned), False))
+    assert local.main(["--max-restarts", "2", "--workdir", "unused"]) == result
+    assert len(seen) == calls
+    assert local.exit_text(4) == "4 (preempted, backup saved)" and local.exit_text(-9) == "-9"

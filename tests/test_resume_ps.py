@@ -2,6 +2,8 @@
 this process the chief): fit() under a ClusterCoordinator and the sync loop go on
 from the step of their last backup, with the state they had there."""
 
+import signal
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -34,6 +36,7 @@ def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, tiny_datasets, t
     attach(monkeypatch, Probe(stop_at=(1, 3), how="sigterm"))
     with pytest.raises(preemption.Preempted):
         trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ignored on the way out; not in pytest
     probe = attach(monkeypatch, Probe())
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
     assert probe.seen[0] == (1, 5)  # SIGTERM during step 3's callbacks: saved after step 4
@@ -61,25 +64,30 @@ def test_sync_run_resumes_its_parameters_slots_version_and_position(
 
     monkeypatch.setattr(sync_ps, "SyncTraining", Recorded)
     config = _config("ps.mode=sync", "checkpoint.every_steps=3")
+    # Crashed after update 8 of epoch 1: the backup of update 6 holds.
+    attach(monkeypatch, Probe(stop_at=(0, 7)))
+    with pytest.raises(Interrupted):
+        trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
+
     saved = {}
 
     def save_state(model, epoch, batch):
-        if (epoch, batch) == (1, 2):  # update 3 of epoch 2, which the backup saves
+        if (epoch, batch) == (1, 4):  # SIGTERM here: the backup is of this update
             saved.update(_state(model, trainings[-1]))
 
-    # Stopped after update 6 of epoch 2, before its backup: the backup of update 3 holds.
-    attach(monkeypatch, Probe(stop_at=(1, 5), on_batch=save_state))
-    with pytest.raises(Interrupted):
+    probe = attach(monkeypatch, Probe(stop_at=(1, 4), how="sigterm", on_batch=save_state))
+    with pytest.raises(preemption.Preempted):
         trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
-    assert workdir.has_backup(tmp_path)
+    assert probe.seen[0] == (0, 6)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # ignored on the way out; not in pytest
 
     restored = {}
     probe = attach(monkeypatch, Probe(
         on_begin=lambda model: restored.update(_state(model, trainings[-1]))))
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, datasets=tiny_datasets)
-    assert probe.seen[0] == (1, 3)
-    assert restored["iterations"] == saved["iterations"] == STEPS + 3
-    assert restored["version"] == saved["version"] == STEPS + 3
+    assert probe.seen[0] == (1, 5)
+    assert restored["iterations"] == saved["iterations"] == STEPS + 5
+    assert restored["version"] == saved["version"] == STEPS + 5
     for name in ("weights", "slots"):
         assert len(restored[name]) == len(saved[name]) > 0
         for got, want in zip(restored[name], saved[name], strict=True):
