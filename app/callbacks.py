@@ -24,10 +24,10 @@ def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
     """The callbacks of a run, in order: throughput stops its clock first; the
     evaluations add their results to the epoch's logs before the history record,
     the backup, TensorBoard and History see them (an epoch's backup is taken
-    after its evaluations: a run killed in between redoes the epoch whole); the
-    step log comes after the backup, so a step it reports is saved when a
-    backup was due there. Only fit() resumes through `Backup` (`resumable`);
-    sync_ps.fit keeps its own backup."""
+    after its evaluations and history row: a run killed in between goes on from
+    the backup before, and redoes the row); the step log comes after the
+    backup, so a step it reports is saved when a backup was due there. Only
+    fit() resumes through `Backup` (`resumable`); sync_ps.fit keeps its own."""
     backup_dir = workdir / BACKUP_DIR
     every = config.debug.log_every_steps
     cbs: list[keras.callbacks.Callback] = [
