@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
 import time
@@ -10,8 +11,9 @@ from collections.abc import Callable
 import tensorflow as tf
 import tf_keras as keras
 
+from app import preemption
 from app.config import Config
-from app.workdir import BACKUP_DIR, CHECKPOINT_DIR
+from app.workdir import BACKUP_DIR, CHECKPOINT_DIR, HISTORY_FILE, write_json
 
 log = logging.getLogger(__name__)
 
@@ -19,18 +21,185 @@ log = logging.getLogger(__name__)
 def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
                  model: keras.Model, throughput: Throughput, evaluations: list[Evaluation],
                  resumable: bool = True) -> list[keras.callbacks.Callback]:
-    """The callbacks of a run, in order: throughput stops its clock before the
-    backup and the evaluations, whose results join the epoch's logs before TensorBoard and
-    History record them. Only fit() can resume (`resumable`): the backup restores its loop."""
+    """The callbacks of a run, in order: throughput stops its clock first; the
+    evaluations add their results to the epoch's logs before the history record,
+    the backup, TensorBoard and History see them (an epoch's backup is taken
+    after its evaluations and history row: a run killed in between goes on from
+    the backup before, and redoes the row); the step log comes after the
+    backup, so a step it reports is saved when a backup was due there. Only
+    fit() resumes through `Backup` (`resumable`); sync_ps.fit keeps its own."""
+    backup_dir = workdir / BACKUP_DIR
+    every = config.debug.log_every_steps
     cbs: list[keras.callbacks.Callback] = [
         throughput,
-        # Resumes an interrupted run from its last epoch; emptied when fit() ends.
-        *([keras.callbacks.BackupAndRestore(str(workdir / BACKUP_DIR))] if resumable else []),
         *evaluations,
+        HistoryRecord(backup_dir / HISTORY_FILE),
+        # Resumes an interrupted run; emptied when fit() ends.
+        *([Backup(str(backup_dir), config.checkpoint.every_steps)] if resumable else []),
         EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
         keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),
+        *([StepLog(every)] if every else []),
     ]
     return cbs
+
+
+def earlier_history(cbs: list[keras.callbacks.Callback]) -> list[dict[str, float]]:
+    """metrics.json's history rows of the epochs an interrupted run finished before
+    this run resumed it (Keras' History holds this run's epochs only)."""
+    return next((cb.earlier for cb in cbs if isinstance(cb, HistoryRecord)), [])
+
+
+def history_row(epoch: int, logs: dict) -> dict[str, float]:
+    """One epoch of metrics.json's history: its number from 1, then its logs."""
+    return {"epoch": epoch + 1, **{k: round(float(logs[k]), 6) for k in sorted(logs)}}
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    """Keras' BackupAndRestore in <workdir>/backup, saving at each epoch's end, every
+    `every_steps` steps (0: epoch ends only), and at the first step boundary after
+    SIGTERM, after which it raises `preemption.Preempted`.
+
+    A resumed fit() goes on from the saved step, where BackupAndRestore alone
+    would not in two cases:
+
+    - Under ParameterServerStrategy its batch hooks return at once (tf_keras
+      2.21 callbacks.py: "Skip batch update for PSS Strategy"), so an integer
+      save_freq never saves, not even at epoch ends: a batch "ends" there when
+      it is scheduled, and a backup then would hold steps not yet run. Here a
+      save first joins the coordinator, after which every scheduled step has
+      run and the saved step is exact.
+    - With save_freq="epoch", Keras resumes at the epoch after the saved one
+      (worker_training_state.maybe_load_initial_counters_from_ckpt): a SIGTERM
+      backup from mid-epoch would skip the epoch's rest. With an integer
+      save_freq it resumes at the saved batch + 1, so the parent always gets
+      one; the saving schedule is this class's own.
+    """
+
+    def __init__(self, backup_dir: str, every_steps: int = 0):
+        super().__init__(backup_dir, save_freq=max(every_steps, 1))
+        self.every_steps = every_steps
+        self.sigterm = preemption.Sigterm()
+        self._handler = None
+        self._begin = self._batch = self._since_save = 0
+        self._saved_at: tuple[int, int] | None = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)  # restores the backup, if there is one
+        self.sigterm.install()
+        self._handler = preemption.mwms_handler(
+            self.model.distribute_strategy, self._training_state.read_checkpoint_manager,
+            save=lambda: self._save(self._batch), sigterm=self.sigterm, stop=self._stop)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # The parent records the batch here, every step (a ps round trip under
+        # ParameterServerStrategy, hence its skipping them); this class does so
+        # only when it saves.
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._since_save += batch + 1 - self._begin
+        if batch + 1 >= self.params["steps"]:
+            return  # the epoch's last step: saved at the epoch's end, after its evaluations
+        self._batch = batch
+        self._stop_if_asked()
+        if self.every_steps and self._since_save >= self.every_steps:
+            self._save(batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._batch = self.params["steps"] - 1  # resumes at the next epoch's first step
+        self._save(self._batch)
+        self._stop_if_asked()
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)  # deletes the backup
+        if self._handler is not None:
+            preemption.close_mwms_handler(self._handler)
+        self.sigterm.uninstall()
+
+    def _stop_if_asked(self) -> None:
+        if self._handler is not None:  # saves and stops at the step all workers agree on
+            self._handler.save_checkpoint_if_preempted()
+        elif self.sigterm.requested():
+            self._save(self._batch)
+            self._stop()
+
+    def _save(self, batch: int) -> None:
+        if self._saved_at == (self._current_epoch, batch):
+            return
+        coordinator = getattr(self.model, "_cluster_coordinator", None)
+        if coordinator is not None:
+            coordinator.join()  # the steps scheduled so far have run
+        # WorkerTrainingState's record of the saved step (tf_keras 2.21), read on resume.
+        self._training_state._ckpt_saved_batch.assign(batch)
+        self._backup(epoch=self._current_epoch, batch=batch)
+        self._since_save, self._saved_at = 0, (self._current_epoch, batch)
+
+    def _stop(self) -> None:
+        self.sigterm.ignore()
+        log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
+                    self._current_epoch + 1, self._batch + 1)
+        raise preemption.preempted(self.backup_dir)
+
+
+class HistoryRecord(keras.callbacks.Callback):
+    """Each epoch's history row, kept in the workdir until training ends, so that
+    a resumed run's metrics.json covers the epochs before it too (`earlier`)."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = path
+        self.earlier: list[dict[str, float]] = []
+        self._rows: list[dict[str, float]] = []
+        self._first: int | None = None
+
+    def _writes(self) -> bool:
+        # One writer, the task that writes the backup (MultiWorkerMirrored: worker 0).
+        return self.model.distribute_strategy.extended.should_checkpoint
+
+    def on_train_begin(self, logs=None):
+        self._rows = json.loads(self.path.read_text()) if self.path.exists() else []
+        self._first = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first is None:
+            # Rows of the epochs this run redoes (written before their backup) go.
+            self._first = epoch
+            self.earlier = [row for row in self._rows if row["epoch"] <= epoch]
+            self._rows = list(self.earlier)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._rows.append(history_row(epoch, logs or {}))
+        if self._writes():
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # before the first backup
+            write_json(self.path, self._rows)
+
+    def on_train_end(self, logs=None):
+        if self._writes():
+            self.path.unlink(missing_ok=True)
+
+
+class StepLog(keras.callbacks.Callback):
+    """Logs `step S` every `every` steps, S counted from the run's first step
+    (a resumed run goes on counting); under a ClusterCoordinator, steps
+    scheduled. The fault tests kill a task at a step read from it."""
+
+    def __init__(self, every: int):
+        super().__init__()
+        self._supports_tf_logs = True  # batch hooks under ParameterServerStrategy
+        self.every = every
+        self._epoch = self._begin = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        before = self._epoch * self.params["steps"] + self._begin
+        after = self._epoch * self.params["steps"] + batch + 1
+        if after // self.every > before // self.every:
+            log.info("step %d", after)
 
 
 class Throughput(keras.callbacks.Callback):

@@ -216,14 +216,23 @@ class DebugConfig:
     slow_worker: int = field(-1, minimum=-1)
     # How many times as long the slow worker's steps take.
     slow_factor: float = field(1.0, minimum=1)
+    # Log `step S` every N steps of training (0 = never), on every training task:
+    # the fault tests read it to kill a task at a known step.
+    log_every_steps: int = field(0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """The per-epoch checkpoints in `<workdir>/checkpoints` (the evaluator reads them)."""
+    """The per-epoch checkpoints in `<workdir>/checkpoints` (the evaluator reads them)
+    and the backup in `<workdir>/backup` that a stopped run resumes from."""
 
     # Checkpoints kept: the newest ones.
     keep: int = field(3, above=0)
+    # Back up the training state (<workdir>/backup) every N steps as well as at
+    # each epoch's end, so a killed run resumes at most N steps behind where it
+    # died (0 = at epoch ends only). Each backup writes the model and its
+    # optimizer slots.
+    every_steps: int = field(0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)

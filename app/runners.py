@@ -33,6 +33,7 @@ from app import strategy as strategies
 from app.cluster import TaskLost, lost_ps
 from app.config import Config, ConfigError
 from app.task import Task
+from app.workdir import BACKUP_DIR
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +131,8 @@ class SingleHost:
 
     def fit(self, model: keras.Model, dataset_fn: DatasetFn,
             callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
-            ) -> keras.callbacks.History:
+            workdir: pathlib.Path) -> keras.callbacks.History:
+        """Train; `callbacks` hold the backup fit() resumes from (in `workdir`)."""
         return model.fit(
             keras.utils.experimental.DatasetCreator(
                 dataset_fn, input_options=strategies.input_options(self.strategy)),
@@ -225,7 +227,7 @@ class AsyncPS(SingleHost):
                 f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} became "
                 f"unreachable; training stopped. Restart the whole job (launch.local "
                 f"--max-restarts, or the cluster's restart policy): it resumes from "
-                f"{workdir / 'backup'}") from None
+                f"{workdir / BACKUP_DIR}") from None
 
     def build(self, task, optimizer):
         model = super().build(task, optimizer)
@@ -245,11 +247,11 @@ class AsyncPS(SingleHost):
         self._local = task.build_model()  # outside the strategy's scope: on the chief
         return parameter_server.local_evaluator(model, self._local, task)
 
-    def fit(self, model, dataset_fn, callbacks, steps_per_epoch):
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         dataset_fn = per_worker(dataset_fn, self._workers)
         if self.straggler:  # its train step needs to know which worker reads the batch
             dataset_fn = sync_ps.with_worker_id(dataset_fn)
-        return super().fit(model, dataset_fn, callbacks, steps_per_epoch)
+        return super().fit(model, dataset_fn, callbacks, steps_per_epoch, workdir)
 
     def serving(self, model):
         self._local.set_weights(parameter_server.gather_weights(model))
@@ -270,7 +272,7 @@ class SyncPS(AsyncPS):
     `workers - backup_workers` gradients (app/sync_ps.py); a global batch is the
     examples of one update, split over those workers."""
 
-    resumable = False  # its own loop: BackupAndRestore restores fit()'s only
+    resumable = False  # its own loop and backup (sync_ps.SyncBackup), not BackupAndRestore's
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
@@ -305,15 +307,16 @@ class SyncPS(AsyncPS):
     def wrap(self, model):
         return model  # the straggler sleeps in sync_ps's own step
 
-    def fit(self, model, dataset_fn, callbacks, steps_per_epoch):
-        loss = self._task_loss
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         training = sync_ps.SyncTraining(
-            self.coordinator, model, loss, num_workers=self._workers,
+            self.coordinator, model, self._task_loss, num_workers=self._workers,
             backup_workers=self.config.ps.backup_workers, straggler=self.straggler)
         history, self.figures = sync_ps.fit(
             training, per_worker(dataset_fn, self._workers), epochs=self.config.train.epochs,
             steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=_verbose(self.config.train.verbose))
+            verbose=_verbose(self.config.train.verbose),
+            backup=sync_ps.SyncBackup(training, workdir / BACKUP_DIR,
+                                      self.config.checkpoint.every_steps))
         return history
 
     def build(self, task, optimizer):

@@ -28,6 +28,9 @@ average different workers' gradients for one step.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import pathlib
+import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -36,7 +39,9 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import tf_internal
+from app import preemption, tf_internal
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +168,13 @@ class SyncTraining:
         while int(self.gate.num_accumulated()) < self.required:
             time.sleep(poll_s)
 
+    def resume_version(self) -> None:
+        """After a restore: the accumulators, new, count time from 0; from the restored
+        version on they take its gradients and drop older ones, as before the restart."""
+        version = self.version.read_value()
+        for accumulator in [*self.accumulators, self.gate]:
+            accumulator.set_global_step(version)
+
     def _update(self) -> tf.Tensor:
         """On the ps tasks, driven by the chief: apply the mean of the first N gradients."""
         grads = [acc.take_grad(self.required) for acc in self.accumulators]
@@ -175,11 +187,22 @@ class SyncTraining:
         return taken
 
 
+@dataclasses.dataclass
+class _Progress:
+    """What fit() counts on the chief: contributions scheduled, updates taken per worker."""
+
+    scheduled: int
+    taken: np.ndarray
+
+
 def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int,
         callbacks: list[keras.callbacks.Callback], verbose: str | int = 0,
-        ) -> tuple[keras.callbacks.History, dict]:
+        backup: SyncBackup | None = None) -> tuple[keras.callbacks.History, dict]:
     """Train `epochs` x `steps_per_epoch` synchronous updates; Keras callbacks (and
-    its progress bar, by `verbose` as in fit()) run as in fit().
+    its progress bar, by `verbose` as in fit()) run as in fit(). With `backup`, an
+    interrupted run goes on from it, and it is saved as `callbacks.Backup` saves
+    fit()'s: at each epoch's end, every `backup.every_steps` steps, and after
+    SIGTERM, when fit() raises `preemption.Preempted`.
 
     Returns the history and the sync figures of metrics.json.
     """
@@ -193,30 +216,117 @@ def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int
     callback_list = keras.callbacks.CallbackList(
         [*callbacks, history], add_progbar=verbose != 0, model=training.model, epochs=epochs,
         steps=steps_per_epoch, verbose=verbose)
-    taken = np.zeros(training.num_workers)
-    scheduled = 0
+    first_epoch, first_step, taken = (backup.restore() if backup
+                                      else (0, 0, np.zeros(training.num_workers)))
+    # What was pushed before a restart is not running now: nothing in flight.
+    progress = _Progress(scheduled=int(training.pushed.numpy().sum()), taken=taken)
     callback_list.on_train_begin()
-    for epoch in range(epochs):
+    for epoch in range(first_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
-        losses = []
-        for step in range(steps_per_epoch):
-            callback_list.on_train_batch_begin(step)
-            # Keep one contribution in flight per worker: the ones still running
-            # (a straggler's) count, so the queue never grows.
-            running = scheduled - int(training.pushed.numpy().sum())
-            for _ in range(training.num_workers - running):
-                losses.append(coordinator.schedule(training.contribute, args=(iterator,)))
-                scheduled += 1
-            training.wait_for_gradients()
-            taken += training.update().numpy()
-            callback_list.on_train_batch_end(step, {})
+        losses = _train_epoch(training, iterator, callback_list, progress, backup, epoch,
+                              range(first_step if epoch == first_epoch else 0, steps_per_epoch))
         logs = {"loss": float(np.mean([loss.fetch() for loss in losses]))}
         callback_list.on_epoch_end(epoch, logs)
+        if backup:
+            backup.epoch_done(epoch, progress.taken)
     coordinator.join()  # the contributions still running end as dropped
     callback_list.on_train_end()
+    if backup:
+        backup.delete()
     pushed = training.pushed.numpy()
     return history, {
-        "contributions": [int(t) for t in taken],
+        "contributions": [int(t) for t in progress.taken],
         "pushed": [int(p) for p in pushed],
-        "stale_dropped": int(pushed.sum() - taken.sum()),
+        "stale_dropped": int(pushed.sum() - progress.taken.sum()),
     }
+
+
+def _train_epoch(training: SyncTraining, iterator, callback_list: keras.callbacks.CallbackList,
+                 progress: _Progress, backup: SyncBackup | None, epoch: int,
+                 steps: range) -> list:
+    """The updates `steps` of `epoch`; the RemoteValues of the losses computed for them."""
+    losses = []
+    for step in steps:
+        callback_list.on_train_batch_begin(step)
+        # Keep one contribution in flight per worker: the ones still running
+        # (a straggler's) count, so the queue never grows.
+        running = progress.scheduled - int(training.pushed.numpy().sum())
+        for _ in range(training.num_workers - running):
+            losses.append(training.coordinator.schedule(training.contribute, args=(iterator,)))
+            progress.scheduled += 1
+        training.wait_for_gradients()
+        progress.taken += training.update().numpy()
+        callback_list.on_train_batch_end(step, {})
+        if backup and step + 1 < steps.stop:  # the last one is saved with its epoch
+            backup.step_done(epoch, step + 1, progress.taken)
+    return losses
+
+
+class SyncBackup:
+    """The backup of a sync run, where BackupAndRestore keeps fit()'s
+    (<workdir>/backup/chief): the parameters and the optimizer's slots and step,
+    the version counter, the pushed and taken counts, and the position (epoch,
+    step). Keras' BackupAndRestore cannot serve here: it restores fit()'s loop
+    only, and knows nothing of the version counter.
+
+    Saved by the chief alone, right after an update: the parameters then are
+    those of the version saved, whatever contributions are still running.
+    """
+
+    def __init__(self, training: SyncTraining, backup_dir: pathlib.Path, every_steps: int = 0):
+        self.training, self.every_steps = training, every_steps
+        self.directory = backup_dir / "chief"
+        self.sigterm = preemption.Sigterm()
+        # On the chief (no strategy scope): the position, the updates taken per worker.
+        self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_epoch")
+        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_step")
+        self._taken = tf.Variable(tf.zeros([training.num_workers], tf.int64), trainable=False,
+                                  name="backup_taken")
+        checkpoint = tf.train.Checkpoint(
+            model=training.model, version=training.version, pushed=training.pushed,
+            epoch=self._epoch, step=self._step, taken=self._taken)
+        self.manager = tf.train.CheckpointManager(checkpoint, str(self.directory), max_to_keep=1)
+        self._since_save = 0
+
+    def restore(self) -> tuple[int, int, np.ndarray]:
+        """Restore the last backup, if there is one: (epoch, step) to go on from, and
+        the updates taken so far per worker. From here on SIGTERM means save and stop."""
+        self.sigterm.install()
+        latest = self.manager.latest_checkpoint
+        if latest:
+            self.manager.checkpoint.restore(latest).assert_existing_objects_matched()
+            self.training.resume_version()
+            log.info("resumed from %s: epoch %d, step %d, version %d", latest,
+                     int(self._epoch.numpy()) + 1, int(self._step.numpy()),
+                     int(self.training.version.numpy()))
+        return (int(self._epoch.numpy()), int(self._step.numpy()),
+                self._taken.numpy().astype(np.float64))  # the gate counts in float32
+
+    def step_done(self, epoch: int, done: int, taken: np.ndarray) -> None:
+        """After update `done` of `epoch` (not its last): save if due, or on SIGTERM."""
+        self._since_save += 1
+        if self.sigterm.requested() or self.every_steps and self._since_save >= self.every_steps:
+            self.save(epoch, done, taken)
+        self._stop_if_asked(epoch, done)
+
+    def epoch_done(self, epoch: int, taken: np.ndarray) -> None:
+        self.save(epoch + 1, 0, taken)
+        self._stop_if_asked(epoch + 1, 0)
+
+    def save(self, epoch: int, step: int, taken: np.ndarray) -> None:
+        self._epoch.assign(epoch)
+        self._step.assign(step)
+        self._taken.assign(taken.astype(np.int64))
+        self.manager.save()
+        self._since_save = 0
+
+    def delete(self) -> None:
+        """Training is over: the backup goes, as BackupAndRestore's does."""
+        self.sigterm.uninstall()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+    def _stop_if_asked(self, epoch: int, step: int) -> None:
+        if self.sigterm.requested():
+            self.sigterm.ignore()
+            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping", epoch + 1, step)
+            raise preemption.preempted(str(self.directory))

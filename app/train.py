@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0
         if task == "serve":
-            from app import parameter_server  # TensorFlow starts here, after all checks.
+            # TensorFlow starts here, after all checks.
+            from app import parameter_server, preemption
 
+            preemption.outlive_the_chief()  # SIGTERM: serve until the chief has saved and gone
             parameter_server.serve(cluster, config.runtime)  # returns when the chief is done
             return 0
         from app import task as tasks  # TensorFlow starts here (and the task's own code).

@@ -23,7 +23,7 @@ from app import strategy as strategies
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
-from app.workdir import METRICS_FILE, write_json
+from app.workdir import METRICS_FILE, save_dir, storage_error, write_json
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,9 @@ def run(config: Config, workdir: pathlib.Path, *,
     try:
         with runner.guard(pathlib.Path(workdir)):
             return _train(config, pathlib.Path(workdir), task, runner, steps_per_epoch)
+    except (OSError, tf.errors.OpError) as e:
+        # A full or read-only workdir mid-run: one line that names it, exit code 2.
+        raise storage_error(e, pathlib.Path(workdir)) or e from None
     finally:
         keras.mixed_precision.set_global_policy(previous)
 
@@ -65,10 +68,13 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
         config, workdir, outdir, model, throughput, _evaluations(config, task, evaluate, test_ds),
         resumable=runner.resumable)
     train_fn = functools.partial(task.train_dataset, global_batch_size=runner.input_batch)
-    history = runner.fit(model, train_fn, run_callbacks, steps_per_epoch)
+    history = runner.fit(model, train_fn, run_callbacks, steps_per_epoch, workdir)
     test = evaluate(test_ds)
-    task.serving_model(runner.serving(model)).save(outdir / "export", save_format="tf")
-    metrics = {**_common(config, task, runner, history, model, test, throughput),
+    served = task.serving_model(runner.serving(model))
+    # Whole or absent, never half-written.
+    save_dir(outdir / "export", lambda path: served.save(path, save_format="tf"))
+    metrics = {**_common(config, task, runner, history, model, test, throughput,
+                         earlier=callbacks.earlier_history(run_callbacks)),
                "wall_seconds": round(time.perf_counter() - start, 2),
                **runner.metrics(model), **task.report(model, test)}
     if runner.writes:
@@ -109,8 +115,9 @@ def _evaluations(config: Config, task: Task, evaluate: runners.Evaluate,
 
 def _common(config: Config, task: Task, runner: runners.SingleHost,
             history: keras.callbacks.History, model: keras.Model, test: dict[str, float],
-            throughput: callbacks.Throughput) -> dict[str, Any]:
-    """The fields metrics.json has for every run."""
+            throughput: callbacks.Throughput, earlier: list[dict]) -> dict[str, Any]:
+    """The fields metrics.json has for every run; `earlier`: the history rows of the
+    epochs an interrupted run finished before this run resumed it."""
     examples_per_sec = throughput.examples_per_sec()
     examples = task.eval_examples("test")
     return {
@@ -133,7 +140,7 @@ def _common(config: Config, task: Task, runner: runners.SingleHost,
         "steps_per_execution": config.train.steps_per_execution,
         "cpu_allocator": config.runtime.cpu_allocator,
         **peak_memory_mib(),
-        "history": _history(history),
+        "history": earlier + _history(history),
     }
 
 

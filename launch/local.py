@@ -7,7 +7,9 @@ exit code of the lead task: the chief, or worker 0 when there are no ps
 (synchronous training). When the lead succeeds the others end by themselves;
 when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
-training all are stopped, and `--max-restarts` relaunches them.
+training all are stopped, and `--max-restarts` relaunches them. It relaunches
+after any exit code but 2 (a configuration or storage error): 3 is a lost
+task, 4 a preemption whose backup was saved (app/preemption.py).
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
@@ -41,6 +43,12 @@ from launch.inprocess import cluster_spec
 
 STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
 EVALUATOR_GRACE_S = 300
+# What app.train's exit codes mean (app/preemption.py). --max-restarts relaunches
+# after any failure but 2: a configuration or storage mistake would fail again,
+# where a lost task (3), a preemption (4, the backup saved) or a crash need not.
+EXIT_CODES = {2: "configuration or storage error", 3: "a task was lost",
+              4: "preempted, backup saved"}
+NOT_RETRIED = (0, 2)
 
 
 class Task:
@@ -145,23 +153,35 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         if links:
             links.cancel()
             announce(f"bytes through each task's link: {links.report()}")
-    if failed is not None and failed is not lead:
-        announce(f"{failed.label} exited with {failed.process.returncode}; stopping the others")
+    if failed is not None:
+        announce(f"{failed.label} exited with {exit_text(failed.process.returncode)}; "
+                 "stopping the others")
     code = lead.process.poll()
     others = [t for t in tasks if t is not lead]
     if failed is None and code == 0:  # the others see the run end and exit by themselves
         announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
     else:
         if failed is None:
-            announce(f"{lead.label} exited with {code}; stopping the other tasks")
+            announce(f"{lead.label} exited with {exit_text(code)}; stopping the other tasks")
         for task in tasks:
             task.stop()
     for task in others:
         # The evaluator may still be evaluating the last checkpoint.
         grace = EVALUATOR_GRACE_S if task.label.startswith("evaluator") else STOP_GRACE_S
-        announce(f"{task.label} exited with {task.finish(grace)}")
+        exited = task.finish(grace)
+        if task is not failed:  # announced already
+            announce(f"{task.label} exited with {exit_text(exited)}")
     code = lead.finish()
-    return (1 if failed else code), failed is not None
+    if failed is not None and failed is not lead:
+        announce(f"{lead.label} exited with {exit_text(code)}")
+        # The failed task's reason (a preempted worker's 4); a death by signal is 1.
+        code = max(failed.process.returncode, 0) or 1
+    return code, failed is not None
+
+
+def exit_text(code: int) -> str:
+    """An exit code with its meaning, e.g. "4 (preempted, backup saved)"."""
+    return f"{code} ({EXIT_CODES[code]})" if code in EXIT_CODES else str(code)
 
 
 def task_labels(args: argparse.Namespace) -> list[str]:
@@ -209,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evaluator", action="store_true",
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
     parser.add_argument("--max-restarts", type=int, default=0,
-                        help="relaunch every task up to N times after a failure; training "
-                             "resumes from the workdir's backup (like torchrun)")
+                        help="relaunch every task up to N times after a failure (any exit "
+                             "code but 2, a configuration or storage error; 4 is a "
+                             "preemption); training resumes from the workdir's backup "
+                             "(like torchrun)")
     parser.add_argument("--link", metavar="RATE[,DELAY]",
                         help="give every task a link of its own, RATE each way plus DELAY "
                              "(e.g. 1gbit, 10gbit,0.1ms), in a private network namespace; "
@@ -235,8 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     for attempt in range(args.max_restarts + 1):
         if attempt:
             announce(f"restart {attempt} of {args.max_restarts}")
-        code, failed = run_cluster(args, train_args)
-        if code == 0 or not failed and code == 2:  # success, or a config error: no retry
+        code, _ = run_cluster(args, train_args)
+        if code in NOT_RETRIED:
             return code
     return code
 

@@ -1,23 +1,57 @@
-"""Helpers for the end-to-end tests that run `python -m launch.local`."""
+"""Helpers for the end-to-end tests that run `python -m launch.local`.
+
+Faults are injected at a step the tasks report themselves (`debug.log_every_steps`
+makes a training task log `step S`), not after a delay: a loaded machine makes
+every run slower, never earlier or later in its own count of steps.
+"""
 
 import os
 import re
 import signal
 import subprocess
-import time
+import sys
+from collections.abc import Callable
+
+STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
 
 
-def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str,
-                 delay_s: float = 0.0) -> tuple[str, bool]:
-    """Read the launcher's output to the end; SIGKILL task `victim` (e.g. "worker:1")
-    `delay_s` after the first line starting with `prefix`. (all output, whether it killed)"""
-    lines, pids, killed = [], {}, False
+def launch(*args: str) -> subprocess.Popen:
+    """`python -m launch.local ARGS`, its output (all tasks') readable line by line."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    return subprocess.Popen([sys.executable, "-u", "-m", "launch.local", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
+                sig: int = signal.SIGKILL) -> tuple[str, bool]:
+    """Read the launcher's output to the end; send `sig` to task `victim` (e.g.
+    "worker:1") at the first line for which `trigger` is true. (all output, whether sent)"""
+    lines, pids, sent = [], {}, False
     for line in launcher.stdout:
         lines.append(line)
         if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
             pids[started[1]] = int(started[2])
-        if not killed and line.startswith(prefix):
-            time.sleep(delay_s)
-            os.kill(pids[victim], signal.SIGKILL)
-            killed = True
-    return "".join(lines), killed
+        if not sent and trigger(line):
+            os.kill(pids[victim], sig)
+            sent = True
+    return "".join(lines), sent
+
+
+def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[str, bool]:
+    """SIGKILL `victim` at the first line starting with `prefix`; see `signal_when`."""
+    return signal_when(launcher, lambda line: line.startswith(prefix), victim)
+
+
+def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim: str,
+                   sig: int = signal.SIGKILL) -> tuple[str, bool]:
+    """Send `sig` to `victim` once task `reporter` has logged step `step` or later."""
+    def reached(line: str) -> bool:
+        m = STEP.match(line.rstrip("\n"))
+        return bool(m) and m[1] == reporter and int(m[2]) >= step
+    return signal_when(launcher, reached, victim, sig)
+
+
+def steps_reported(output: str, task: str) -> list[int]:
+    """The steps `task` logged, in order."""
+    return [int(m[2]) for line in output.splitlines()
+            if (m := STEP.match(line)) and m[1] == task]

@@ -114,3 +114,12 @@ def test_the_image_holds_what_the_pods_run():
     for needed in ("app", "configs", "data", "launch"):
         assert f"COPY {needed} ./{needed}" in dockerfile
     assert 'ENTRYPOINT ["python", "-m", "app.train"]' in dockerfile
+
+
+@pytest.mark.parametrize("manifest", ["tfjob-ps.yaml", "tfjob-sync.yaml"])
+def test_every_pod_has_time_to_save_a_backup_when_evicted(manifest):
+    # Kubernetes' default is 30 s between SIGTERM and SIGKILL; a training task
+    # needs a step, an epoch's evaluation at worst, and the backup's write.
+    job = load(manifest)
+    for rt, _, spec in pods(job):
+        assert spec["template"]["spec"].get("terminationGracePeriodSeconds", 30) >= 120, rt

@@ -9,22 +9,21 @@ import sys
 import pytest
 
 from launch import local
-from tests.launching import kill_on_line
+from tests import launching
 
 pytestmark = pytest.mark.slow
 
 
 def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
     workdir = tmp_path / "run"
-    args = [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "1",
-            "--set", "task.train_examples=6000", "--set", "task.validation_examples=500",
-            "--set", "task.test_examples=500", "--set", "train.epochs=2",
-            "--set", "train.verbose=2", "--workdir", str(workdir)]
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    launcher = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, env=env)
-    # 3 s after the first epoch starts: well inside it.
-    output, killed = kill_on_line(launcher, "[chief:0] Epoch 1/2", "worker:1", delay_s=3)
+    launcher = launching.launch(
+        "--workers", "2", "--ps", "1",
+        "--set", "task.train_examples=6000", "--set", "task.validation_examples=500",
+        "--set", "task.test_examples=500", "--set", "train.epochs=2",
+        "--set", "train.verbose=2", "--set", "debug.log_every_steps=10",
+        "--workdir", str(workdir))
+    # At step 40 (scheduled) of the first epoch's 171: well inside it.
+    output, killed = launching.signal_at_step(launcher, "chief:0", 40, "worker:1")
     code = launcher.wait(timeout=60)
     assert killed, output[-3000:]
     assert code == 0, output[-3000:]
@@ -66,3 +65,18 @@ def test_thread_settings_share_the_cores_unless_chosen():
         "--set", "runtime.inter_op_threads=3"]
     assert local.thread_settings(2, ["--set", "runtime.intra_op_threads=4"]) == [
         "--set", "runtime.inter_op_threads=3"]
+
+
+@pytest.mark.parametrize("codes, calls, result", [
+    ([4, 0], 2, 0),      # preempted with the backup saved: relaunched, resumes
+    ([3, 4, 3], 3, 3),   # lost tasks: relaunched until --max-restarts runs out
+    ([2], 1, 2),         # a configuration or storage error would fail again
+])
+def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, result):
+    returned = iter(codes)
+    seen = []
+    monkeypatch.setattr(local, "run_cluster",
+                        lambda args, train_args: seen.append(1) or (next(returned), False))
+    assert local.main(["--max-restarts", "2", "--workdir", "unused"]) == result
+    assert len(seen) == calls
+    assert local.exit_text(4) == "4 (preempted, backup saved)" and local.exit_text(-9) == "-9"

@@ -92,3 +92,23 @@ def test_sbatch_synchronous_roles(tmp_path):
     assert [(c.task_type, c.task_index, c.is_chief) for c in seen] == [
         ("worker", i, i == 0) for i in range(4)]
     assert {train.role(c) for c in seen} == {"train"}
+
+
+def sbatch_options() -> dict[str, str]:
+    """The script's #SBATCH options, as sbatch reads them (up to its first command)."""
+    options = {}
+    for line in (ROOT / "launch/slurm/train.sbatch").read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH "):
+            name, _, value = line.removeprefix("#SBATCH ").partition("=")
+            options[name] = value
+        elif line.strip() and not line.startswith("#"):
+            break
+    return options
+
+
+def test_sbatch_sends_every_task_sigterm_in_time_to_save_a_backup():
+    options = sbatch_options()
+    signal_, _, seconds = options["--signal"].partition("@")
+    # Not "B:TERM": that would signal the batch script alone, never the training tasks.
+    assert signal_ in ("TERM", "15") and int(seconds) >= 120, options["--signal"]
+    assert "--requeue" in options  # the same job id, so the same WORKDIR, after preemption

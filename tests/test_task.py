@@ -77,7 +77,8 @@ def user_dir(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("nope", "task.name = 'nope' is neither a built-in task (mnist) nor an import path like "
+    ("nope", "task.name = 'nope' is neither a built-in task (mnist, recommender) nor an "
+             "import path like "
              "'my_package.my_module:MyTask'"),
     ("no_such_module_xyz:Task", "task.name = 'no_such_module_xyz:Task': no module named "
                                 "'no_such_module_xyz' in the current directory ("),

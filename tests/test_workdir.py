@@ -1,3 +1,5 @@
+import pathlib
+
 import pytest
 
 from app import config as cfg
@@ -47,3 +49,49 @@ def test_config_is_replaced_not_rewritten_in_place(tmp_path):
         assert reader.read() == cfg.to_toml(cfg.Config())
     assert cfg.load(str(tmp_path / "config.toml")).train.epochs == 2
     assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]
+
+
+def test_a_directory_save_lands_whole_or_not_at_all(tmp_path):
+    def half_then_fail(path):
+        (path / "saved_model.pb").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError):
+        workdir.save_dir(tmp_path / "export", half_then_fail)
+    assert list(tmp_path.iterdir()) == []  # no export, no temporary left behind
+
+    workdir.save_dir(tmp_path / "export", lambda path: (path / "v").write_text("1"))
+    workdir.save_dir(tmp_path / "export", lambda path: (path / "v").write_text("2"))
+    assert [p.name for p in tmp_path.iterdir()] == ["export"]
+    assert (tmp_path / "export" / "v").read_text() == "2"
+
+
+class FakeTFError(Exception):
+    """The shape of a tf.errors.OpError: the file system's reason in `message`."""
+
+    def __init__(self, message):
+        super().__init__(message)
+        self.message = message
+
+
+@pytest.mark.parametrize("error, expected", [
+    (OSError(28, "No space left on device", "/runs/a/backup/x"),
+     "cannot write to --workdir /runs/a: No space left on device; free some space there or "
+     "choose a --workdir on another disk"),
+    (FakeTFError("/runs/a/backup/chief/ckpt-1_temp/part-0; Read-only file system"),
+     "cannot write to --workdir /runs/a: Read-only file system; choose a --workdir this "
+     "process can write"),
+    (OSError(28, "No space left on device", "/tmp/worker-outputs-1/export"),
+     "cannot write /tmp/worker-outputs-1/export: No space left on device; free some space "
+     "there"),
+])
+def test_storage_faults_become_one_line_that_names_the_path(error, expected):
+    fault = workdir.storage_error(error, pathlib.Path("/runs/a"))
+    assert isinstance(fault, cfg.ConfigError) and str(fault) == expected
+
+
+def test_other_errors_are_not_storage_faults():
+    assert workdir.storage_error(OSError(2, "No such file or directory"),
+                                 pathlib.Path("/runs/a")) is None
+    assert workdir.storage_error(FakeTFError("Invalid argument: shapes"),
+                                 pathlib.Path("/runs/a")) is None

@@ -1,0 +1,112 @@
+"""Backups, resume and SIGTERM in one process (the default strategy): a run stopped
+mid-epoch goes on from its last backup, step for step, and its metrics.json
+covers every epoch. The same on a parameter-server cluster: test_resume_ps.py."""
+
+import json
+import logging
+import signal
+import types
+
+import pytest
+import tensorflow as tf
+
+from app import callbacks, preemption, strategy, trainer, workdir
+from app import config as cfg
+from tests.conftest import tiny_task
+from tests.probing import Interrupted, Probe, attach
+
+STEPS = 512 // 32  # per epoch: conftest's tiny_datasets at the default batch
+
+
+def _config(*overrides: str) -> cfg.Config:
+    return cfg.load(None, ["train.epochs=3", "train.verbose=0", "eval.batch_size=64",
+                           *overrides])
+
+
+def _run(config, path, datasets):
+    return trainer.run(config, path, strategy=strategy.create("default"), task=tiny_task(config))
+
+
+def test_sigterm_saves_at_the_next_step_and_the_rerun_goes_on_from_there(
+        tmp_path, tiny_datasets, monkeypatch):
+    config = _config()  # checkpoint.every_steps = 0: only SIGTERM saves mid-epoch
+    attach(monkeypatch, Probe(stop_at=(1, 4), how="sigterm"))
+    with pytest.raises(preemption.Preempted) as stopped:
+        _run(config, tmp_path, tiny_datasets)
+    assert stopped.value.exit_code == 4
+    assert f"backup saved in {tmp_path / 'backup'}" in str(stopped.value)
+    assert workdir.has_backup(tmp_path)
+    # On its way out with exit code 4: a second SIGTERM must not kill it first.
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    (epoch_1,) = json.loads((tmp_path / "backup" / "history.json").read_text())
+
+    # The signal came during step 4's callbacks: the backup is of the step after.
+    probe = attach(monkeypatch, Probe())
+    metrics = _run(config, tmp_path, tiny_datasets)
+    assert probe.seen[0] == (1, 6)
+    assert metrics["steps"] == 3 * STEPS  # as a clean run: no step lost or done twice
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
+    assert metrics["history"][0] == epoch_1  # the first run's epoch, as it was
+    assert not workdir.has_backup(tmp_path)  # emptied once training ended
+
+
+@pytest.mark.parametrize("every_steps, resumed_at", [(4, (1, 8)), (0, (1, 0))])
+def test_a_crashed_run_loses_at_most_every_steps(every_steps, resumed_at, tmp_path,
+                                                 tiny_datasets, monkeypatch):
+    config = _config(f"checkpoint.every_steps={every_steps}")
+    attach(monkeypatch, Probe(stop_at=(1, 10)))
+    with pytest.raises(Interrupted):
+        _run(config, tmp_path, tiny_datasets)
+    probe = attach(monkeypatch, Probe())
+    metrics = _run(config, tmp_path, tiny_datasets)
+    # every_steps=4: backups after steps 4 and 8 of the epoch, so steps 9-11 are redone;
+    # 0: the epoch is redone from its start.
+    assert probe.seen[0] == resumed_at
+    assert metrics["steps"] == 3 * STEPS
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
+
+
+def _model_on(strategy_):
+    return types.SimpleNamespace(distribute_strategy=strategy_)
+
+
+def test_history_rows_of_epochs_a_resumed_run_redoes_are_dropped(tmp_path):
+    # A run killed after epoch 2's row was written but before epoch 2's backup.
+    path = tmp_path / "backup" / "history.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps([{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.4}]))
+    record = callbacks.HistoryRecord(path)
+    record.set_model(_model_on(tf.distribute.get_strategy()))
+    record.on_train_begin()
+    record.on_epoch_begin(1)  # resumes in epoch 2
+    record.on_epoch_end(1, {"loss": 0.3, "accuracy": 0.9})
+    assert record.earlier == [{"epoch": 1, "loss": 0.5}]
+    assert json.loads(path.read_text()) == [
+        {"epoch": 1, "loss": 0.5}, {"epoch": 2, "accuracy": 0.9, "loss": 0.3}]
+    record.on_train_end()
+    assert not path.exists()
+
+
+def test_step_log_counts_from_the_runs_start_across_epochs(caplog):
+    log = callbacks.StepLog(every=5)
+    log.set_params({"steps": 8})
+    with caplog.at_level(logging.INFO, logger="app.callbacks"):
+        log.on_epoch_begin(1)  # a run resumed in epoch 2, at its step 1
+        for begin, end in [(1, 2), (3, 4), (5, 6), (7, 7)]:  # steps_per_execution=2
+            log.on_train_batch_begin(begin)
+            log.on_train_batch_end(end)
+    # Steps 10 to 16 were run; a call that passes a multiple of 5 logs the count it reached.
+    assert [r.getMessage() for r in caplog.records] == ["step 11", "step 15"]
+
+
+def test_sigterm_is_a_flag_only_while_installed():
+    previous = signal.getsignal(signal.SIGTERM)
+    sigterm = preemption.Sigterm()
+    sigterm.install()
+    try:
+        signal.raise_signal(signal.SIGTERM)
+        assert sigterm.requested()
+    finally:
+        sigterm.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is previous

@@ -1,0 +1,70 @@
+"""Preemption end to end: SIGTERM to a training task saves a backup at the next
+step boundary and exits with 4; the job launched again goes on from there."""
+
+import json
+import re
+import signal
+
+import pytest
+
+from app import workdir
+from tests import launching
+
+pytestmark = pytest.mark.slow
+
+PREEMPTED = "exited with 4 (preempted, backup saved)"
+
+
+def test_sigterm_to_the_chief_saves_exits_4_and_the_rerun_resumes(tmp_path):
+    steps = 2000 // 32
+    args = ["--workers", "1", "--ps", "1", "--set", "task.train_examples=2000",
+            "--set", "task.validation_examples=0", "--set", "task.test_examples=200",
+            "--set", "train.epochs=2", "--set", "eval.test_every_epoch=false",
+            "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
+            "--set", "task.model=mlp", "--workdir", str(tmp_path / "run")]
+    launcher = launching.launch(*args)  # no --max-restarts: the launcher exits with 4
+    signalled_at = steps // 2
+    output, sent = launching.signal_at_step(launcher, "chief:0", signalled_at, "chief:0",
+                                            signal.SIGTERM)
+    assert sent and launcher.wait(timeout=60) == 4, output[-4000:]
+    assert f"[launch] chief:0 {PREEMPTED}" in output
+    assert f"backup saved in {tmp_path / 'run' / 'backup'}" in output
+    assert workdir.has_backup(tmp_path / "run")
+    # The ps and the worker outlived SIGTERM until the chief had saved, then left.
+    assert "[launch] ps:0 exited with 0" in output
+    assert "[launch] worker:0 exited with 0" in output
+
+    again = launching.launch(*args)
+    rerun, _ = again.communicate(timeout=600)
+    assert again.returncode == 0, rerun[-4000:]
+    resumed_from = launching.steps_reported(rerun, "chief:0")[0] - 1
+    assert signalled_at <= resumed_from < steps, resumed_from  # mid-epoch, nothing lost
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 2 * steps
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2]
+
+
+def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_path):
+    steps = 1000 // 32  # 1500 examples less 500 for validation
+    launcher = launching.launch(
+        "--workers", "2", "--ps", "0", "--max-restarts", "1",
+        "--set", "task.train_examples=1500", "--set", "task.validation_examples=500",
+        "--set", "task.test_examples=101", "--set", "train.epochs=3",
+        "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
+        "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
+    signalled_at = steps + 5
+    output, sent = launching.signal_at_step(launcher, "worker:0", signalled_at, "worker:1",
+                                            signal.SIGTERM)
+    assert sent and launcher.wait(timeout=60) == 0, output[-4000:]
+    before, after = output.split("[launch] restart 1 of 1")
+    # Told through the coordination service, worker 0 saved at the same step and left too.
+    assert f"[launch] worker:0 {PREEMPTED}" in before, before[-4000:]
+    assert f"[launch] worker:1 {PREEMPTED}" in before
+    resumed_from = launching.steps_reported(after, "worker:0")[0] - 1
+    assert signalled_at <= resumed_from < 2 * steps, resumed_from
+    assert "[worker:0] Epoch 1/3" not in after
+    digests = dict(re.findall(r"\[(worker:\d)\] INFO weights sha256 (\w+)", after))
+    assert len(digests) == 2 and len(set(digests.values())) == 1, digests  # identical weights
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 3 * steps
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
