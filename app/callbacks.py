@@ -64,10 +64,11 @@ class Backup(keras.callbacks.BackupAndRestore):
 
     - Under ParameterServerStrategy its batch hooks return at once (tf_keras
       2.21 callbacks.py: "Skip batch update for PSS Strategy"), so an integer
-      save_freq never saves, not even at epoch ends: a batch "ends" there when
-      it is scheduled, and a backup then would hold steps not yet run. Here a
-      save first joins the coordinator, after which every scheduled step has
-      run and the saved step is exact.
+      save_freq never saves, not even at epoch ends (tried with tf_keras 2.21).
+      Keras gives no reason; there a batch "ends" when it is scheduled, so a
+      backup taken then would claim steps not yet run. Here a save first joins
+      the coordinator: every scheduled step has then run, and the saved step
+      is exact.
     - With save_freq="epoch", Keras resumes at the epoch after the saved one
       (worker_training_state.maybe_load_initial_counters_from_ckpt): a SIGTERM
       backup from mid-epoch would skip the epoch's rest. With an integer
@@ -91,9 +92,9 @@ class Backup(keras.callbacks.BackupAndRestore):
             save=lambda: self._save(self._batch), sigterm=self.sigterm, stop=self._stop)
 
     def on_train_batch_begin(self, batch, logs=None):
-        # The parent records the batch here, every step (a ps round trip under
-        # ParameterServerStrategy, hence its skipping them); this class does so
-        # only when it saves.
+        # The parent records the batch in a variable here, every step (under
+        # ParameterServerStrategy that variable lives on a ps task); this class
+        # records it only when it saves.
         self._begin = batch
 
     def on_train_batch_end(self, batch, logs=None):

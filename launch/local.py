@@ -49,6 +49,7 @@ EVALUATOR_GRACE_S = 300
 EXIT_CODES = {2: "configuration or storage error", 3: "a task was lost",
               4: "preempted, backup saved"}
 NOT_RETRIED = (0, 2)
+PREEMPTED = 4
 
 
 class Task:
@@ -72,9 +73,10 @@ class Task:
             sys.stdout.write(line if line.startswith(prefix) else f"{prefix} {line}")
             sys.stdout.flush()
 
-    def stop(self) -> None:
+    def stop(self, now: bool = False) -> None:
+        """SIGTERM (the task saves a backup, app/preemption.py), or SIGKILL `now`."""
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
+            self.process.send_signal(signal.SIGKILL if now else signal.SIGTERM)
 
     def finish(self, grace_s: float = STOP_GRACE_S) -> int:
         """Wait for the process to end: SIGTERM after `grace_s`, SIGKILL after another."""
@@ -163,8 +165,12 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     else:
         if failed is None:
             announce(f"{lead.label} exited with {exit_text(code)}; stopping the other tasks")
+        # Synchronous workers whose peer died wait for it inside an all-reduce and never
+        # reach the step boundary where SIGTERM is acted on; after a preemption (4) they
+        # are saving the backup with it.
+        now = failed is not None and failed.process.returncode != PREEMPTED
         for task in tasks:
-            task.stop()
+            task.stop(now)
     for task in others:
         # The evaluator may still be evaluating the last checkpoint.
         grace = EVALUATOR_GRACE_S if task.label.startswith("evaluator") else STOP_GRACE_S
