@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 
 from app import config as cfg
@@ -546,7 +547,8 @@ def main(argv: list[str] | None = None) -> int:
               "repeats": args.repeats, **({"links": links} if links != [None] else {}),
               "rows": results}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    title = f"{command}\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}"
+    title = (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width
+             + f"\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}")
     drawn = (sweep_chart if len(links) > 1 else chart)(results, title,
                                                       args.workdir / "bench.png")
     print("\n".join([table(results), *bound_lines(results)]))
