@@ -214,6 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.ps):
         print(f"  ps:{i}  sends {human_size(traffic.read_bytes[i]):>10} (variables), "
               f"receives {human_size(traffic.written_bytes[i]):>10} (gradients)")
+    if any(traffic.index_bytes):
+        print(f"  tables read by lookup move only the rows a batch of "
+              f"{config.train.global_batch_size} looks up (its expected distinct ids), "
+              "with an int64 id per row each way")
     if rate_bits:
         print_bound(traffic, args.workers, args.link, rate_bits)
     return 0

@@ -14,6 +14,7 @@ from app import plan, trainer
 from app import task as tasks
 from app.tasks import ctr_data, dlrm
 from app.tasks.recommender import Recommender
+from tests.conftest import one_device_reduction_mirrored
 
 # Small tables (the largest 2026 rows) and a small model: seconds per run.
 SMALL = ["task.name=recommender", "task.table_scale=0.0002", "task.embedding_dim=8",
@@ -183,6 +184,35 @@ def test_backup_and_restore_resumes_the_optimizer_pair(tmp_path):
     assert history.epoch == [1]  # the second epoch only: the first was restored
     assert int(model.optimizer.iterations) == 8
     assert int(model.optimizer.tables.iterations) == 8
+
+
+def test_mirrored_replicas_train_their_table_copies_row_by_row():
+    strategy = one_device_reduction_mirrored()  # 2 replicas on the 2 logical CPUs
+    task = task_of("task.train_examples=512")
+    with strategy.scope():
+        model = task.build_model()
+        model.compile(task.optimizer(1e-2), loss=task.loss())
+        model.optimizer.build(model.trainable_variables)
+    table = model.get_layer("table_2").embeddings
+    copies = strategy.experimental_local_results(table)
+    before = copies[0].numpy()
+    features, clicks = next(iter(task.train_dataset(context(), 64)))
+
+    @tf.function
+    def step(features, clicks):
+        strategy.run(model.train_step, args=((features, clicks),))
+
+    step(features, clicks)  # the same batch on both replicas: the sum of their gradients
+    moved = np.flatnonzero(np.any(copies[0].numpy() != before, axis=1))
+    assert set(moved) == set(np.unique(features["cat"][:, 2]))
+    np.testing.assert_array_equal(copies[0].numpy(), copies[1].numpy())  # still mirrored
+    graph = step.get_concrete_function(features, clicks).graph
+    handles = {copy.handle.ref() for copy in copies}
+    inside = {internal.ref() for external, internal in graph.captures
+              if external.ref() in handles}
+    # Each replica gathers its rows and scatters its update: no read of a whole copy.
+    assert {op.type for op in graph.get_operations() for x in op.inputs
+            if x.ref() in inside} == {"ResourceGather", "ResourceScatterAdd"}
 
 
 def test_plan_predicts_the_distinct_rows_a_batch_reads():

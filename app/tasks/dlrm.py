@@ -43,11 +43,28 @@ class Table(keras.layers.Embedding):
     def call(self, ids):
         flat = tf.reshape(ids, [-1])
         unique, position = tf.unique(flat)
-        rows = tf.gather(tf.nn.embedding_lookup(self.embeddings, unique), position)
+        rows = tf.gather(tf.nn.embedding_lookup(_local(self.embeddings), unique), position)
         rows = tf.reshape(rows, tf.concat([tf.shape(ids), [self.output_dim]], 0))
         if self.compute_dtype != self.dtype:  # mixed precision: cast the rows, as Embedding does
             rows = tf.cast(rows, self.compute_dtype)
         return rows
+
+
+def _local(table: tf.Variable) -> tf.Variable:
+    """This replica's own copy of a mirrored `table`; any other table as it is.
+
+    TF 2.21's embedding_lookup gathers rows in place only from a resource
+    variable (or a ShardedVariable's parts); a MirroredVariable it reads whole
+    first, and the step's sparse update of the table then copies all of it
+    (copy-on-write), so each step cost time in proportion to the table's size.
+    The replica's component is a resource variable, gathered row by row.
+    """
+    context = tf.distribute.get_replica_context()
+    copies = tf.distribute.get_strategy().experimental_local_results(table)
+    if context is None or len(copies) == 1:
+        return copies[0] if len(copies) == 1 else table
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    return table if replica is None else copies[replica % len(copies)]
 
 
 @keras.saving.register_keras_serializable("recommender")
