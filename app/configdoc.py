@@ -21,7 +21,7 @@ import tokenize
 import typing
 
 from app import config as cfg
-from app.tasks import mnist
+from app.tasks import mnist, recommender
 
 OUTPUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -128,7 +128,9 @@ def render() -> str:
         if kind is cfg.TaskConfig:
             out += ["The other keys of `[task]` are the task's own parameters, checked by its "
                     "`Params` dataclass ([writing a task](tasks.md)). The built-in `mnist` "
-                    "task's (`app/tasks/mnist.py`):", "", *table(rows("task", mnist.Params)), ""]
+                    "task's (`app/tasks/mnist.py`):", "", *table(rows("task", mnist.Params)), "",
+                    "The built-in `recommender` task's (`app/tasks/recommender.py`):", "",
+                    *table(rows("task", recommender.Params)), ""]
     return "\n".join(out)
 
 

@@ -6,15 +6,17 @@ import re
 from app import config as cfg
 from app import configdoc
 from app.tasks.mnist import Mnist
+from app.tasks.recommender import Recommender
 
 
 def documented_keys() -> set[str]:
-    """Every `section.key` a user can set: each section's fields, and the MNIST task's."""
+    """Every `section.key` a user can set: each section's fields, and the built-in tasks'."""
     keys = set()
     for name, kind in configdoc.sections():
         keys |= {f"{name}.{f.name}" for f in dataclasses.fields(kind)}
     keys.discard("task.params")  # not a key: the rest of [task], the task's Params
-    return keys | {f"task.{f.name}" for f in dataclasses.fields(Mnist.Params)}
+    return keys | {f"task.{f.name}" for kind in (Mnist.Params, Recommender.Params)
+                   for f in dataclasses.fields(kind)}
 
 
 def test_the_file_is_up_to_date():

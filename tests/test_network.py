@@ -193,8 +193,8 @@ def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namesp
             # ones that missed a registration). 15 s: gRPC gives up on a silent peer
             # after about 8 s, so the chief sees the worker fail.
             "--link", "1gbit", "--partition", "worker:1@12+15",
-            "--set", "data.train_examples=3000", "--set", "data.validation_examples=0",
-            "--set", "data.test_examples=300", "--set", "train.epochs=2",
+            "--set", "task.train_examples=3000", "--set", "task.validation_examples=0",
+            "--set", "task.test_examples=300", "--set", "train.epochs=2",
             "--set", "train.verbose=2", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)

@@ -40,7 +40,10 @@ def test_large_tables_are_sharded_over_the_ps_tasks_with_their_slots(built):
     _, model = built
     table = model.get_layer("table_2").embeddings
     assert [v.shape[0] for v in table.variables] == [50656, 50656]
-    assert [(_device(v).job, _device(v).task) for v in table.variables] == [("ps", 0), ("ps", 1)]
+    # One shard on each ps task; which comes first depends on the variables this
+    # session's strategy placed before (its round robin goes on from there).
+    assert sorted((_device(v).job, _device(v).task) for v in table.variables) == [
+        ("ps", 0), ("ps", 1)]
     small = model.get_layer("table_8").embeddings  # 3 rows: kept whole
     assert not hasattr(small, "variables") or len(small.variables) == 1
     accumulator = [part for v in model.optimizer.tables.variables for part in _parts(v)
@@ -109,7 +112,8 @@ def test_plan_predicts_the_placement(built):
 
     placement = parameter_server.placement(model.variables + model.optimizer.variables(), 2)
     predicted, _ = plan.predict(config(), num_ps=2)
-    assert predicted.ps_bytes == placement.ps_bytes
+    # Up to which ps task is first (see above).
+    assert sorted(predicted.ps_bytes) == sorted(placement.ps_bytes)
 
 
 def test_a_run_records_predicted_and_counted_traffic_per_ps(ps_strategy, ps_cluster, tmp_path):

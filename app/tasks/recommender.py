@@ -50,14 +50,25 @@ class Params:
     ids: str = field("spread", choices=("spread", "ranked"))
     # The generator's seed: the same data whatever train.seed is.
     data_seed: int = field(0, minimum=0)
+    # Generated examples in one epoch of training (each split is drawn from its
+    # own range of the generator's example indices).
     train_examples: int = field(1_000_000, above=0)
+    # Examples held out for validation after each epoch (0 = none).
     validation_examples: int = field(0, minimum=0)
+    # Examples of the test split (its Bayes-optimal AUC and log-loss are reported).
     test_examples: int = field(100_000, above=0)
+    # Width of every embedding table's rows, and of the bottom MLP's output.
     embedding_dim: int = field(16, above=0)
-    # Hidden layer widths, comma-separated (the bottom MLP ends in embedding_dim).
+    # The bottom MLP's hidden layer widths on the dense features, comma-separated
+    # (it ends in a layer of embedding_dim).
     bottom_mlp: str = "64"
+    # The top MLP's hidden layer widths on the interactions, comma-separated
+    # (it ends in the one click logit).
     top_mlp: str = "128,64"
+    # The tables' optimizer: one whose update touches only the rows a step looked
+    # up (the dense layers use train.optimizer).
     table_optimizer: str = field("adagrad", choices=("adagrad", "sgd"))
+    # The tables' learning rate (the dense layers use train.learning_rate).
     table_learning_rate: float = field(0.05, above=0)
     # Training batches sampled after training to count the rows each step reads
     # (the `ps_traffic` figures of parameter-server runs); 0 = do not count.
