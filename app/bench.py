@@ -299,43 +299,49 @@ def rss(pids: list[int]) -> int:
     return total
 
 
+def task_type(pid: int) -> str | None:
+    """The cluster task type of process `pid` (from its TF_CONFIG; "launcher" or "main"
+    without one), or None once it has ended."""
+    try:
+        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    task = "launcher" if b"launch.local" in cmdline else "main"
+    for item in environ:
+        if item.startswith(b"TF_CONFIG="):
+            task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
+    return task
+
+
 def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
-    """Per pid: its cluster task type (from TF_CONFIG; "launcher" or "main" without
-    one) and the user + system CPU seconds it has used so far."""
+    """Per pid: its cluster task type (`task_type`) and the user + system CPU seconds
+    it has used so far."""
     found, tick = {}, os.sysconf("SC_CLK_TCK")
     for p in pids:
         try:
             fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-            environ = pathlib.Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
-            cmdline = pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue  # ended meanwhile
-        task = "launcher" if b"launch.local" in cmdline else "main"
-        for item in environ:
-            if item.startswith(b"TF_CONFIG="):
-                task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
-        # utime and stime: fields 14 and 15, counted from the ")" that ends field 2.
-        found[p] = task, (int(fields[11]) + int(fields[12])) / tick
+        task = task_type(p)
+        if task is not None:
+            # utime and stime: fields 14 and 15, counted from the ")" that ends field 2.
+            found[p] = task, (int(fields[11]) + int(fields[12])) / tick
     return found
 
 
 def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
-    """Per pid: its cluster task type (as `cpu_seconds` names it) and the peak resident
-    bytes the kernel recorded for it so far (VmHWM), so no peak falls between polls."""
+    """Per pid: its cluster task type (`task_type`) and the peak resident bytes the
+    kernel recorded for it so far (VmHWM), so no peak falls between polls."""
     found = {}
     for p in pids:
         try:
             status = pathlib.Path(f"/proc/{p}/status").read_text()
-            environ = pathlib.Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
-            cmdline = pathlib.Path(f"/proc/{p}/cmdline").read_bytes()
         except OSError:
             continue  # ended meanwhile
-        task = "launcher" if b"launch.local" in cmdline else "main"
-        for item in environ:
-            if item.startswith(b"TF_CONFIG="):
-                task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
+        task = task_type(p)
         for line in status.splitlines():
-            if line.startswith("VmHWM:"):
+            if task is not None and line.startswith("VmHWM:"):
                 found[p] = task, int(line.split()[1]) * 1024
     return found
 
