@@ -385,7 +385,7 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             if key in metrics[0]:
                 results[row][key] = metrics[0][key]
         results[row]["peak_rss_mib_by_task"] = {
-            task: max(m["peak_rss_mib_by_task"].get(task, 0) for m in metrics)
+            task: max(m.get("peak_rss_mib_by_task", {}).get(task, 0) for m in metrics)
             for task in metrics[0].get("peak_rss_mib_by_task", {})}
         if "ps_bytes" in metrics[0]:
             results[row]["ps_bytes"] = metrics[0]["ps_bytes"]

@@ -18,6 +18,24 @@ def test_runs_are_pure_training_of_the_asked_steps():
     assert "eval.test_every_epoch=false" in sets(args) and "train.epochs=1" in sets(args)
 
 
+def test_tasks_that_generate_their_data_get_no_mnist_source():
+    args = bench.train_args("configs/recommender.toml", [], steps=10)
+    assert "task.train_examples=5120" in sets(args)
+    assert not any(s.startswith("task.source") for s in sets(args))
+    assert "task.source=synthetic" in sets(bench.train_args("configs/mnist.toml", [], 10))
+
+
+def test_peak_memory_is_read_per_process_and_kept_per_task_type():
+    import os
+
+    task, peak = bench.peak_rss([os.getpid()])[os.getpid()]
+    assert task == "main" and peak > 50 * 2**20  # this pytest process, TensorFlow loaded
+    runs = [{"train_examples_per_sec": 1, "peak_memory_mib": 1, "num_replicas": 1,
+             "peak_rss_mib_by_task": {"worker": w, "ps": 300}} for w in (700, 900)]
+    summary = bench.summarize({"rec_ps_2w2p": runs})["rec_ps_2w2p"]
+    assert summary["peak_rss_mib_by_task"] == {"worker": 900, "ps": 300}  # the largest run
+
+
 def test_rows_start_plain_and_the_users_settings_come_after():
     args = bench.train_args("configs/mnist.toml", ["train.jit_compile=true"], steps=10)
     assert sets(args).index("train.jit_compile=false") < sets(args).index("train.jit_compile=true")

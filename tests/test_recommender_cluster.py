@@ -126,6 +126,7 @@ def test_a_run_records_predicted_and_counted_traffic_per_ps(ps_strategy, ps_clus
     for predicted, counted in zip(traffic["predicted_read_bytes"], traffic["counted_read_bytes"],
                                   strict=True):
         assert counted == pytest.approx(predicted, rel=0.2)
+    assert traffic["most_uneven_table"]["shard_rows_max_over_mean"] < 1.25  # spread ids
     # The plan's figures, up to which ps task is first: this session's strategy has
     # placed other tests' variables before, and its round robin goes on from there.
     _, planned = plan.predict(settings, num_ps=2)

@@ -224,6 +224,7 @@ class Recommender(Task):
                 dense[_ps_task(var)] += var.shape.num_elements() * var.dtype.size
         predicted, counted = [0.0] * num_ps, [0.0] * num_ps
         sample = self._sampled_ids()
+        hottest = (1.0, "")  # the table whose shards read the most unevenly
         for f, group in enumerate(shards):
             rows = [part.shape[0] for part in group]
             expected = self.expected_rows(f, rows, self.step_batch)
@@ -231,8 +232,13 @@ class Recommender(Task):
             for part, e, c in zip(group, expected, seen, strict=True):
                 predicted[_ps_task(part)] += e
                 counted[_ps_task(part)] += c
-        return _traffic_figures(predicted, counted, dense, self.params.embedding_dim * 4,
-                                self.step_batch, len(sample))
+            hottest = max(hottest, (max(seen) * len(seen) / max(sum(seen), 1e-9), f"table_{f}"))
+        figures = _traffic_figures(predicted, counted, dense, self.params.embedding_dim * 4,
+                                   self.step_batch, len(sample))
+        # A hot shard shows here even when the ps tasks' totals even out over tables.
+        figures["most_uneven_table"] = {"table": hottest[1], "shard_rows_max_over_mean":
+                                        round(hottest[0], 4)}
+        return figures
 
     def _sampled_ids(self) -> np.ndarray:
         """The ids of the first `traffic_batches` training batches: [batches, batch, 26]."""
