@@ -65,8 +65,12 @@ class SingleHost:
         self._refuse(self.config.ps.compression != "none",
                      f"ps.compression = {self.config.ps.compression} compresses the gradients "
                      "workers push to ps tasks, and this run has none ({name}); set it to none")
-        self._refuse(self.config.sync.compression != "none"
-                     and not self.all_reduces,
+        self._check_all_reduce_and_batch()
+
+    def _check_all_reduce_and_batch(self) -> None:
+        """What every kind checks: all-reduce compression needs an all-reduce, and the
+        global batch must split over the replicas."""
+        self._refuse(self.config.sync.compression != "none" and not self.all_reduces,
                      f"sync.compression = {self.config.sync.compression} compresses the "
                      "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
                      "none ({name}); set it to none")
@@ -193,11 +197,8 @@ class AsyncPS(SingleHost):
         self._local: keras.Model | None = None
 
     def check(self) -> None:
-        self._refuse(self.config.sync.compression != "none",
-                     f"sync.compression = {self.config.sync.compression} compresses the "
-                     "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
-                     "none ({name}); set it to none")
-        strategies.check_batch(self.config.train.global_batch_size, self.num_replicas)
+        # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
+        self._check_all_reduce_and_batch()
 
     def _straggler(self) -> sync_ps.Straggler | None:
         index = self.config.debug.slow_worker
