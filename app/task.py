@@ -213,7 +213,3 @@ def create(config: cfg.Config) -> tuple[Task, cfg.Config]:
     resolved = cfg.TaskConfig(config.task.name, dataclasses.asdict(params))
     return task, dataclasses.replace(config, task=resolved)
 
-
-def metric_names(task: Task) -> list[str]:
-    """"loss" and the task's metric names, in the order evaluation reports them."""
-    return ["loss", *(m.name for m in task.metrics())]
