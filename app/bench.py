@@ -12,7 +12,9 @@ task holds and their balance (largest / mean).
 
 Every row starts from the plain settings (TensorFlow's own CPU kernels and
 CPU allocator, float32, no XLA, one step per execution), so that a speed
-switch shows up only in the row that turns it on.
+switch shows up only in the row that turns it on. The `*defaults` rows run
+at the project's defaults instead, what a user gets, and their ratio is to
+the single process at those defaults (the `defaults` row).
 
     python -m app.bench --steps 300 --workdir runs/bench   # or: make bench
 
@@ -50,6 +52,7 @@ _LOCAL = ("-m", "launch.local")  # one process per task, see launch/local.py
 class Row:
     what: str
     args: tuple[str, ...]
+    base: str = "baseline"  # the row its ratio is to, measured in the same invocation
 
 
 def _ps(workers: int, ps: int, *sets: str) -> tuple[str, ...]:
@@ -78,8 +81,30 @@ _STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
          "train.jit_compile=false", "train.steps_per_execution=1")
 
+
+def _project_defaults() -> tuple[str, ...]:
+    """PLAIN's settings at the project's default values."""
+    config = cfg.load(None)
+    values = {}
+    for item in PLAIN:
+        section, name = item.split("=")[0].split(".")
+        value = getattr(getattr(config, section), name)
+        values[f"{section}.{name}"] = str(value).lower() if isinstance(value, bool) else value
+    return tuple(f"{key}={value}" for key, value in values.items())
+
+
+DEFAULTS = _project_defaults()
+
+
+def _at_defaults(what: str, args: tuple[str, ...]) -> Row:
+    return Row(f"{what}, at the project's defaults", (*args, *_sets(*DEFAULTS)), base="defaults")
+
+
 ROWS: dict[str, Row] = {
     "baseline": Row("plain Keras fit, one process, default strategy", _BASELINE),
+    "defaults": _at_defaults("one process, default strategy", _BASELINE),
+    "mwms_2w_defaults": _at_defaults("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "ps_2w2p_defaults": _at_defaults("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
     "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
@@ -99,6 +124,8 @@ ROWS: dict[str, Row] = {
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
                         _ps(2, 2, "ps.compression=fp16")),
+    "ps_2w2p_rr_fp16": Row("ps_2w2p_rr with gradients pushed as float16",
+                           _ps(2, 2, "ps.partitioner=none", "ps.compression=fp16")),
     "straggler_async": Row("ParameterServer async, 3 workers + 1 ps, worker 2 slowed 3x",
                            _ps(3, 1, *_STRAGGLER)),
     "straggler_sync_b0": Row("the same, ps.mode=sync, no backup worker",
@@ -119,7 +146,8 @@ ROWS: dict[str, Row] = {
                               _ps(2, 2, "task.ids=ranked")),
 }
 BASELINE = "baseline"
-DEFAULT_ROWS = ("baseline", "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
+DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
+                "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
                 "mwms_2w", "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
 
 
@@ -175,8 +203,8 @@ def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
     fixed = [f"task.train_examples={steps * batch}",
              "task.validation_examples=0", f"task.test_examples={batch}", "train.epochs=1",
              "eval.test_every_epoch=false", "train.verbose=0"]
-    if config.task.name == "mnist":  # it reads files by default; the others generate their data
-        fixed.insert(0, "task.source=synthetic")
+    if config.task.name == "mnist" and not any(o.startswith("task.source=") for o in overrides):
+        fixed.insert(0, "task.source=synthetic")  # no files to read; --set task.source=mnist does
     return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
 
 
@@ -362,7 +390,7 @@ def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repea
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per row: median examples/s, ratio to the first row, peak memory, ps figures."""
+    """Per row: median examples/s, ratio to its base row, peak memory, ps figures."""
     results = {}
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
@@ -390,9 +418,11 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
         if "ps_bytes" in metrics[0]:
             results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
             results[row]["ps_balance"] = metrics[0]["ps_balance"]
-    base = results[next(iter(results))]["examples_per_sec"]
-    for r in results.values():
-        r["ratio"] = round(r["examples_per_sec"] / base, 3)
+    first = next(iter(results))
+    for name, r in results.items():
+        base = ROWS[name.split("@")[0]].base
+        r["ratio_to"] = base if base in results else first  # main() runs every base row
+        r["ratio"] = round(r["examples_per_sec"] / results[r["ratio_to"]]["examples_per_sec"], 3)
     return results
 
 
@@ -526,8 +556,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --rows: unknown row(s) {unknown}; rows are {list(ROWS)}", file=sys.stderr)
         return 2
-    if rows[0] != BASELINE:
-        rows = [BASELINE, *(row for row in rows if row != BASELINE)]  # ratios need it first
+    bases = list(dict.fromkeys([BASELINE, *(ROWS[row].base for row in rows)]))
+    rows = [*bases, *(row for row in rows if row not in bases)]  # ratios need them first
     try:
         links = link_list(args)
         if links != [None] and (problem := network.preflight()):

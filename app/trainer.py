@@ -18,7 +18,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, data, runners
+from app import callbacks, data, optimizers, runners
 from app import strategy as strategies
 from app import task as tasks
 from app.config import Config, ConfigError
@@ -179,7 +179,7 @@ def optimizer(config: Config, task: Task, steps_per_epoch: int) -> keras.optimiz
     own = task.optimizer(lr)
     if own is not None:
         return own
-    kind, kwargs = {"adam": (keras.optimizers.Adam, {}),
+    kind, kwargs = {"adam": (optimizers.Adam, {}),
                     "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
                     "adagrad": (keras.optimizers.Adagrad, {})}[config.train.optimizer]
     if config.sync.compression == "fp16":

@@ -79,6 +79,28 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
     assert "main 45" in bench.table(results) and results["ps_2w2p"]["cpu_seconds"] == {}
 
 
+def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other():
+    from app import config as cfg
+
+    base = bench.train_args("configs/mnist.toml", [], 10)  # the plain settings first
+    for row in ("defaults", "mwms_2w_defaults", "ps_2w2p_defaults"):
+        args = bench.row_args(row, base, gpus=0)
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        config = cfg.load("configs/mnist.toml", sets)  # the last --set wins, as in app.train
+        assert config.runtime == cfg.load("configs/mnist.toml").runtime
+        assert config.train.precision == cfg.Config().train.precision
+        assert bench.ROWS[row].base == "defaults"
+    assert "runtime.onednn=true" in bench.DEFAULTS  # what a user gets, unlike PLAIN
+    results = bench.summarize({
+        "baseline": [{"train_examples_per_sec": 400, "peak_memory_mib": 1, "num_replicas": 1}],
+        "defaults": [{"train_examples_per_sec": 800, "peak_memory_mib": 1, "num_replicas": 1}],
+        "mwms_2w_defaults": [{"train_examples_per_sec": 720, "peak_memory_mib": 1,
+                              "num_replicas": 2}]})
+    assert results["mwms_2w_defaults"]["ratio"] == 0.9
+    assert results["mwms_2w_defaults"]["ratio_to"] == "defaults"
+    assert results["defaults"]["ratio"] == 1.0 and results["baseline"]["ratio"] == 1.0
+
+
 def test_tree_memory_counts_child_processes():
     before = bench.rss(bench.tree(os.getpid()))
     child = subprocess.Popen([sys.executable, "-c",

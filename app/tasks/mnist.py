@@ -187,12 +187,17 @@ def _idx(directory: pathlib.Path, prefix: str) -> tuple[Source, int]:
             str(path), size, header_bytes=header,
             compression_type="GZIP" if path.suffix == ".gz" else "")
 
+    def decode(images: tf.Tensor, labels: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        return (tf.reshape(tf.io.decode_raw(images, tf.uint8), (-1, *shape, 1)),
+                tf.cast(tf.io.decode_raw(labels, tf.uint8)[:, 0], tf.int64))
+
     def source() -> tf.data.Dataset:
-        images = records(images_path, int(np.prod(shape)), image_header).map(
-            lambda r: tf.reshape(tf.io.decode_raw(r, tf.uint8), (*shape, 1)))
-        labels = records(labels_path, 1, label_header).map(
-            lambda r: tf.cast(tf.io.decode_raw(r, tf.uint8)[0], tf.int64))
-        return tf.data.Dataset.zip((images, labels))
+        # Decoded a block of records at a time: a map per record cost 6x the CPU,
+        # which a 2-core host takes from training (and each MultiWorkerMirrored
+        # worker decodes every record before it shards them).
+        return tf.data.Dataset.zip((
+            records(images_path, int(np.prod(shape)), image_header),
+            records(labels_path, 1, label_header))).batch(1024).map(decode).unbatch()
 
     return source, count
 

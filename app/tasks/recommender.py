@@ -28,6 +28,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
+from app import optimizers
 from app.config import ConfigError, field
 from app.task import Task
 from app.tasks import ctr_data, dlrm
@@ -159,7 +160,7 @@ class Recommender(Task):
         p = self.params
         kind = keras.optimizers.Adagrad if p.table_optimizer == "adagrad" else keras.optimizers.SGD
         return dlrm.SplitOptimizer(tables=kind(p.table_learning_rate),
-                                   dense=keras.optimizers.Adam(learning_rate))
+                                   dense=optimizers.Adam(learning_rate))
 
     def serving_model(self, model):
         # The layers alone, without the optimizer pair: a server needs no training state.
