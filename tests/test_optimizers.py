@@ -23,7 +23,7 @@ def _train(optimizer, steps: int = 5, sparse: bool = False) -> list[np.ndarray]:
             grads.append(tf.IndexedSlices(tf.constant(rng.normal(size=(2, 2)), tf.float32),
                                           tf.constant([1, 5])))
             variables.append(table)
-        optimizer.apply_gradients(zip(grads, variables))
+        optimizer.apply_gradients(zip(grads, variables, strict=True))
     return [v.numpy() for v in (dense, table)] + [v.numpy() for v in optimizer.variables()]
 
 
@@ -31,7 +31,7 @@ def test_fused_adam_updates_as_keras_adam_does():
     ours = _train(optimizers.Adam(_schedule()), sparse=True)
     theirs = _train(keras.optimizers.Adam(_schedule()), sparse=True)
     assert len(ours) == len(theirs)
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
     # ...and the dense variable did move: the comparison is not of two no-ops.
     assert not np.allclose(ours[0], _train(optimizers.Adam(0.0))[0])
@@ -61,7 +61,7 @@ def test_fused_adam_reads_a_keras_adam_checkpoint(tmp_path):
     ours, w = optimizers.Adam(0.01), tf.Variable(tf.zeros((3,)))
     ours.build([w])
     tf.train.Checkpoint(optimizer=ours, v=w).restore(path).assert_existing_objects_matched()
-    for a, b in zip(ours.variables(), theirs.variables()):
+    for a, b in zip(ours.variables(), theirs.variables(), strict=True):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
 
