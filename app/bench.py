@@ -375,18 +375,27 @@ def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
 
 
 def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
-        gpus: int, tmp: pathlib.Path) -> dict[str, dict]:
-    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved."""
+        gpus: int, tmp: pathlib.Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved;
+    (the summary of the runs that finished, the error of each row with a failed run).
+    A failed run does not stop the others: a long sweep keeps what it measured."""
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in schedule}
+    failed: dict[str, str] = {}
     for r in range(repeats):
         for i, (name, row, link) in enumerate(schedule):
-            metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
+            try:
+                metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
+            except RuntimeError as e:
+                failed.setdefault(name, str(e))
+                print(f"  repeat {r + 1}/{repeats} {name}: failed", file=sys.stderr)
+                continue
             if link:
                 metrics["link"] = link
             runs[name].append(metrics)
             print(f"  repeat {r + 1}/{repeats} {name}: "
                   f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
-    return summarize(runs)
+    done = {name: metrics for name, metrics in runs.items() if metrics}
+    return (summarize(done) if done else {}), failed
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -573,15 +582,15 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m app.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        try:
-            results = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
-        except RuntimeError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-    add_bounds(results, bounds)
+        results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+    for error in failed.values():
+        print(f"error: {error}", file=sys.stderr)
+    if not results:
+        return 1
+    add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
     report = {"command": command, "machine": host, "steps": args.steps,
               "repeats": args.repeats, **({"links": links} if links != [None] else {}),
-              "rows": results}
+              "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     title = (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width
              + f"\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}")
@@ -591,7 +600,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {args.workdir / 'bench.json'}"
           + (f" and {args.workdir / 'bench.png'}" if drawn else
              " (no chart: matplotlib is missing; pip install -e '.[bench]')"))
-    return 0
+    return 1 if failed else 0
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -101,6 +101,22 @@ def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other()
     assert results["defaults"]["ratio"] == 1.0 and results["baseline"]["ratio"] == 1.0
 
 
+def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
+    def measure(args, workdir):
+        if "mirrored" in args:
+            raise RuntimeError("benchmark run failed: mirrored_1dev\nTraceback ...")
+        return {"train_examples_per_sec": 500.0, "peak_memory_mib": 900.0, "num_replicas": 1}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    code = bench.main(["--rows", "mirrored_1dev", "--repeats", "2", "--workdir", str(tmp_path)])
+    assert code == 1
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert list(report["rows"]) == [bench.BASELINE]
+    assert report["rows"][bench.BASELINE]["samples"] == [500.0, 500.0]
+    assert report["failed"]["mirrored_1dev"].startswith("benchmark run failed: mirrored_1dev")
+    assert "error: benchmark run failed: mirrored_1dev" in capsys.readouterr().err
+
+
 def test_tree_memory_counts_child_processes():
     before = bench.rss(bench.tree(os.getpid()))
     child = subprocess.Popen([sys.executable, "-c",
