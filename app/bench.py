@@ -83,14 +83,13 @@ PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precisio
 
 
 def _project_defaults() -> tuple[str, ...]:
-    """PLAIN's settings at the project's default values."""
+    """PLAIN's settings at the project's default values, written as TOML values."""
     config = cfg.load(None)
-    values = {}
-    for item in PLAIN:
-        section, name = item.split("=")[0].split(".")
-        value = getattr(getattr(config, section), name)
-        values[f"{section}.{name}"] = str(value).lower() if isinstance(value, bool) else value
-    return tuple(f"{key}={value}" for key, value in values.items())
+    out = []
+    for key in (item.split("=")[0] for item in PLAIN):
+        section, name = key.split(".")
+        out.append(f"{key}={json.dumps(getattr(getattr(config, section), name))}")
+    return tuple(out)
 
 
 DEFAULTS = _project_defaults()
