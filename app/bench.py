@@ -367,8 +367,10 @@ def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
         except OSError:
             continue  # ended meanwhile
         task = task_type(p)
+        if task is None:
+            continue  # ended meanwhile
         for line in status.splitlines():
-            if task is not None and line.startswith("VmHWM:"):
+            if line.startswith("VmHWM:"):
                 found[p] = task, int(line.split()[1]) * 1024
     return found
 
