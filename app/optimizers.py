@@ -3,9 +3,8 @@
 Keras' Adam updates a variable with about ten element-wise ops, each a full
 pass over the variable and its two slots. TensorFlow's `ResourceApplyAdam`
 kernel (the one the TF1 and legacy Keras optimizers used) does the same
-arithmetic in one pass. On CPU the update is bound by memory, so the fused
-kernel takes well under half the time (19.6 ms against 8.2 ms for the MNIST
-CNN's 3.3M parameters on one thread). Every strategy pays for the update; a
+arithmetic in one pass, and on CPU the update is bound by memory, so the
+passes are what it costs. Every strategy pays for the update; a
 MultiWorkerMirrored worker pays for all of it on its share of the cores.
 
 Keras can compile its update with XLA instead, but turns that off without a

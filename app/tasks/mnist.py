@@ -192,9 +192,9 @@ def _idx(directory: pathlib.Path, prefix: str) -> tuple[Source, int]:
                 tf.cast(tf.io.decode_raw(labels, tf.uint8)[:, 0], tf.int64))
 
     def source() -> tf.data.Dataset:
-        # Decoded a block of records at a time: a map per record cost 6x the CPU,
-        # which a 2-core host takes from training (and each MultiWorkerMirrored
-        # worker decodes every record before it shards them).
+        # Decoded a block of records at a time: a map call per record costs several
+        # times the CPU, which a 2-core host takes from training (and each
+        # MultiWorkerMirrored worker decodes every record before it shards them).
         return tf.data.Dataset.zip((
             records(images_path, int(np.prod(shape)), image_header),
             records(labels_path, 1, label_header))).batch(1024).map(decode).unbatch()
