@@ -145,56 +145,6 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
         return tf_internal.distribute_per_replica(self, dataset_fn, options)
 
 
-def fp16_all_reduce(optimizer_class: type) -> type:
-    """`optimizer_class`, with the gradients summed over replicas as float16.
-
-    Keras sums the replicas' gradients in `aggregate_gradients`, its hook for
-    custom aggregation. Casting to float16 around it halves the bytes each
-    all-reduce sends, as Horovod's `Compression.fp16` and DDP's
-    `fp16_compress_hook` do. Keras scales the loss by the global batch, so the
-    sum is already the mean gradient and stays well inside float16's range;
-    the optimizer updates the float32 variables with the sum cast back.
-    """
-
-    class FP16AllReduce(optimizer_class):
-        def aggregate_gradients(self, grads_and_vars):
-            pairs = [(_cast(g, tf.float16), v) for g, v in grads_and_vars]
-            return [(_cast(g, v.dtype), v) for g, v in super().aggregate_gradients(pairs)]
-
-    # Saved under the base class's name: what is saved is that optimizer and its
-    # state (the compression is how replicas talk), so an exported model loads
-    # without this class.
-    FP16AllReduce.__name__ = FP16AllReduce.__qualname__ = optimizer_class.__name__
-    return FP16AllReduce
-
-
-def fp16_push(optimizer_class: type) -> type:
-    """`optimizer_class`, with each gradient sent to its variable as float16.
-
-    Under ParameterServerStrategy a worker computes the gradients and the
-    update runs where the variable lives, on a ps task, so every gradient
-    crosses the network. The cast to float16 happens on the worker, after
-    Keras' `aggregate_gradients`; the cast back happens in `update_step`,
-    which Keras runs colocated with the variable: the push carries half the
-    bytes and the ps updates the float32 variable and its slots as before.
-    """
-
-    class FP16Push(optimizer_class):
-        def aggregate_gradients(self, grads_and_vars):
-            summed = super().aggregate_gradients(grads_and_vars)
-            return [(_cast(g, tf.float16), v) for g, v in summed]
-
-        def update_step(self, gradient, variable):
-            return super().update_step(_cast(gradient, variable.dtype), variable)
-
-    FP16Push.__name__ = FP16Push.__qualname__ = optimizer_class.__name__  # as FP16AllReduce
-    return FP16Push
-
-
-def _cast(gradient, dtype):
-    return None if gradient is None else tf.cast(gradient, dtype)
-
-
 def input_options(strategy: tf.distribute.Strategy) -> tf.distribute.InputOptions | None:
     """How fit() should distribute the training input under `strategy`.
 

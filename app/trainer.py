@@ -19,7 +19,6 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import callbacks, data, optimizers, runners
-from app import strategy as strategies
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
@@ -183,9 +182,9 @@ def optimizer(config: Config, task: Task, steps_per_epoch: int) -> keras.optimiz
                     "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
                     "adagrad": (keras.optimizers.Adagrad, {})}[config.train.optimizer]
     if config.sync.compression == "fp16":
-        kind = strategies.fp16_all_reduce(kind)
+        kind = optimizers.fp16_all_reduce(kind)
     if config.ps.compression == "fp16":
-        kind = strategies.fp16_push(kind)
+        kind = optimizers.fp16_push(kind)
     return kind(lr, **kwargs)
 
 

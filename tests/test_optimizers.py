@@ -1,4 +1,5 @@
-"""The fused Adam against Keras' own: the same updates, slots and checkpoints."""
+"""The fused Adam against Keras' own (the same updates, slots and checkpoints), and the
+float16 all-reduce."""
 
 import numpy as np
 import tensorflow as tf
@@ -85,3 +86,23 @@ def test_fused_adam_under_mirrored_keeps_replicas_identical():
         np.testing.assert_array_equal(value, values[0])
     # Adam's first step moves each weight by the learning rate, whatever the gradient.
     np.testing.assert_allclose(values[0], np.full(4, 0.9), rtol=1e-5)
+
+
+def test_fp16_all_reduce_sums_float16_gradients_into_float32():
+    s = one_device_reduction_mirrored()
+    with s.scope():
+        v = tf.Variable([0.0, 0.0])
+        optimizer = optimizers.fp16_all_reduce(keras.optimizers.SGD)(1.0)
+
+    @tf.function
+    def step():
+        replica = tf.cast(tf.distribute.get_replica_context().replica_id_in_sync_group, tf.float32)
+        gradient = tf.constant([0.1, 1e-3]) * (1.0 + replica)  # 0.1 and 0.2, 1e-3 and 2e-3
+        return optimizer.aggregate_gradients([(gradient, v)])[0][0]
+
+    summed = s.experimental_local_results(s.run(step))[0].numpy()
+    assert summed.dtype == np.float32
+    f16 = np.float16
+    expected = [f16(f16(0.1) + f16(0.2)), f16(f16(1e-3) + f16(2e-3))]
+    np.testing.assert_array_equal(summed, np.array(expected, np.float32))
+    assert not np.allclose(summed, [0.3, 3e-3], rtol=1e-6, atol=0)  # float32 would give these
