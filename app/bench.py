@@ -33,7 +33,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import platform
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,8 @@ import textwrap
 import time
 
 from app import config as cfg
+from app import procstat
+from app.bench_report import bound_lines, chart, machine, sweep_chart, table
 from launch import network  # the link syntax of launch.local --link
 
 _TRAIN = ("-m", "app.train")
@@ -249,14 +250,6 @@ def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -
             r["step_over_bound"] = round(r["step_ms"] / r["plan_bound_ms"], 3)
 
 
-def bound_lines(results: dict[str, dict]) -> list[str]:
-    """"ps_2w2p: step 560.0 ms, app.plan's bound 530.8 ms (what ps:1 sends): 1.055x"."""
-    return [f"{name}: step {r.get('step_ms', 0):.1f} ms, app.plan's bound "
-            f"{r['plan_bound_ms']:.1f} ms ({r['plan_bound_link']}): "
-            f"{r.get('step_over_bound', 0):.3f}x"
-            for name, r in results.items() if "plan_bound_ms" in r]
-
-
 def _devices(gpus: int) -> list[str]:
     """Two replicas: two GPUs, one GPU split in two, or the CPU split in two."""
     if gpus >= 2:
@@ -275,10 +268,11 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
         peak, cpu, peaks = 0, {}, {}
         while process.poll() is None:
-            pids = tree(process.pid)
-            peak = max(peak, rss(pids))
-            cpu.update(cpu_seconds(pids))  # a process that has ended keeps its last reading
-            peaks.update(peak_rss(pids))
+            pids = procstat.tree(process.pid)
+            peak = max(peak, procstat.rss(pids))
+            # A process that has ended keeps its last reading.
+            cpu.update(procstat.cpu_seconds(pids))
+            peaks.update(procstat.peak_rss(pids))
             time.sleep(0.2)
     if process.returncode:
         tail = workdir.with_suffix(".log").read_text()[-3000:]
@@ -294,85 +288,6 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
         largest[task] = max(largest.get(task, 0), round(peak_bytes / 2**20, 1))
     metrics["peak_rss_mib_by_task"] = largest
     return metrics
-
-
-def tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, read from /proc (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = pathlib.Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue  # ended meanwhile
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        todo += children.get(p, [])
-    return found
-
-
-def rss(pids: list[int]) -> int:
-    """Resident bytes of `pids` together."""
-    total, page = 0, os.sysconf("SC_PAGE_SIZE")
-    for p in pids:
-        try:
-            total += int(pathlib.Path(f"/proc/{p}/statm").read_text().split()[1]) * page
-        except OSError:
-            pass
-    return total
-
-
-def task_type(pid: int) -> str | None:
-    """The cluster task type of process `pid` (from its TF_CONFIG; "launcher" or "main"
-    without one), or None once it has ended."""
-    try:
-        environ = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        cmdline = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return None
-    task = "launcher" if b"launch.local" in cmdline else "main"
-    for item in environ:
-        if item.startswith(b"TF_CONFIG="):
-            task = json.loads(item[len(b"TF_CONFIG="):]).get("task", {}).get("type", task)
-    return task
-
-
-def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
-    """Per pid: its cluster task type (`task_type`) and the user + system CPU seconds
-    it has used so far."""
-    found, tick = {}, os.sysconf("SC_CLK_TCK")
-    for p in pids:
-        try:
-            fields = pathlib.Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue  # ended meanwhile
-        task = task_type(p)
-        if task is not None:
-            # utime and stime: fields 14 and 15, counted from the ")" that ends field 2.
-            found[p] = task, (int(fields[11]) + int(fields[12])) / tick
-    return found
-
-
-def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
-    """Per pid: its cluster task type (`task_type`) and the peak resident bytes the
-    kernel recorded for it so far (VmHWM), so no peak falls between polls."""
-    found = {}
-    for p in pids:
-        try:
-            status = pathlib.Path(f"/proc/{p}/status").read_text()
-        except OSError:
-            continue  # ended meanwhile
-        task = task_type(p)
-        if task is None:
-            continue  # ended meanwhile
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                found[p] = task, int(line.split()[1]) * 1024
-    return found
 
 
 def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
@@ -436,129 +351,6 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     return results
 
 
-def table(results: dict[str, dict]) -> str:
-    width = max(len(row) for row in results)
-    lines = [f"{'row':<{width}}  examples/s  ratio  steps/s    metric  peak MiB  "
-             "CPU s by task                  ps MiB (balance)",
-             f"{'-' * width}  ----------  -----  -------  --------  --------  "
-             "-----------------------------  ----------------"]
-    for row, r in results.items():
-        ps = ""
-        if "ps_bytes" in r:
-            ps = " / ".join(f"{b / 2**20:.1f}" for b in r["ps_bytes"]) + f" ({r['ps_balance']})"
-        lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}  "
-                     f"{r['steps_per_sec']:>7.2f}  {r['test_metric']:>8.4f}  "
-                     f"{r['peak_memory_mib']:>8.0f}  "
-                     f"{cpu_text(r.get('cpu_seconds', {})):<29}  {ps}")
-    return "\n".join(lines)
-
-
-def cpu_text(cpu: dict[str, float]) -> str:
-    """CPU seconds by task type, largest first: "worker 96 ps 31 chief 12"."""
-    return " ".join(f"{task} {seconds:.0f}"
-                    for task, seconds in sorted(cpu.items(), key=lambda item: -item[1]))
-
-
-def _pyplot():
-    """matplotlib.pyplot drawing to files, or None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
-    """Ratios as bars and the bytes of each ps task, as a PNG; False without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    ps_rows = {row: r for row, r in results.items() if "ps_bytes" in r}
-    fig, axes = plt.subplots(1, 2 if ps_rows else 1, figsize=(12 if ps_rows else 7, 4.5),
-                             squeeze=False)
-    ax = axes[0][0]
-    names = list(results)
-    ratios = [results[n]["ratio"] for n in names]
-    ax.barh(names[::-1], ratios[::-1], color="tab:blue")
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    for y, value in enumerate(ratios[::-1]):
-        ax.text(value, y, f" {value:.2f}", va="center", fontsize=8)
-    ax.set_xlabel("examples/s relative to the baseline (same run)")
-    ax.set_title("throughput")
-    if ps_rows:
-        ax = axes[0][1]
-        tasks = max(len(r["ps_bytes"]) for r in ps_rows.values())
-        width = 0.8 / tasks
-        for task in range(tasks):
-            mib = [r["ps_bytes"][task] / 2**20 if task < len(r["ps_bytes"]) else 0
-                   for r in ps_rows.values()]
-            offset = (task - (tasks - 1) / 2) * width
-            ax.bar([i + offset for i in range(len(ps_rows))], mib, width, label=f"ps:{task}")
-        ax.set_xticks(range(len(ps_rows)), list(ps_rows), fontsize=8)
-        ax.set_ylabel("MiB of variables and optimizer slots")
-        ax.set_title("bytes per parameter server")
-        ax.legend()
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def sweep_chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
-    """Examples/s of each multi-task row against its link rate, with the single
-    process (no network at all) as the ceiling, as a PNG; False without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return False
-    curves: dict[str, list[tuple[int, float]]] = {}
-    for name, r in results.items():
-        if "link" in r:
-            rate = network.parse_link(r["link"]).rate_bits
-            curves.setdefault(name.split("@")[0], []).append((rate, r["examples_per_sec"]))
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    for row, points in curves.items():
-        points.sort()
-        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=row)
-    ax.axhline(results[BASELINE]["examples_per_sec"], color="black", linestyle="--",
-               linewidth=0.8, label=f"{BASELINE}: one process, no network")
-    ax.set_xscale("log")
-    ax.set_xlabel("link rate of each task, each way (bit/s)")
-    ax.set_ylabel("examples/s")
-    ax.set_title("throughput against bandwidth")
-    ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
-def machine() -> dict[str, str | int]:
-    """What the numbers were measured on."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpus = []
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-        gpus = [g.strip() for g in out.stdout.splitlines() if g.strip()] if not out.returncode \
-            else []
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count() or 0, "gpus": len(gpus),
-            "gpu": ", ".join(gpus) or "none"}
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = [row.strip() for row in args.rows.split(",")]
@@ -595,13 +387,15 @@ def main(argv: list[str] | None = None) -> int:
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     title = (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width
              + f"\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}")
-    drawn = (sweep_chart if len(links) > 1 else chart)(results, title,
-                                                      args.workdir / "bench.png")
+    png = args.workdir / "bench.png"
+    drawn = (sweep_chart(results, title, png, BASELINE) if len(links) > 1
+             else chart(results, title, png))
     print("\n".join([table(results), *bound_lines(results)]))
     print(f"wrote {args.workdir / 'bench.json'}"
           + (f" and {args.workdir / 'bench.png'}" if drawn else
              " (no chart: matplotlib is missing; pip install -e '.[bench]')"))
     return 1 if failed else 0
+
 
 if __name__ == "__main__":
     sys.exit(main())
