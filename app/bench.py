@@ -19,8 +19,9 @@ the single process at those defaults (the `defaults` row).
     python -m app.bench --steps 300 --workdir runs/bench   # or: make bench
 
 With `--link RATE` the multi-task rows run over shaped links (`launch.local
---link`), and each ps row's step time is set beside the least one app.plan
-says those links allow; `--links A,B,C` runs them at each rate and draws
+--link`), and each one's step time is set beside the least one app.plan says
+those links allow (a ps row's busiest link or read-then-push chain, a
+MultiWorkerMirrored row's all-reduce); `--links A,B,C` runs them at each rate and draws
 throughput against bandwidth, the single process as the ceiling:
 
     python -m app.bench --links 100mbit,1gbit,10gbit --rows baseline,ps_2w2p,mwms_2w
@@ -228,16 +229,19 @@ def row_cluster(row: str) -> tuple[int, int, list[str]]:
 
 def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
                ) -> tuple[float, str] | None:
-    """app.plan's least step time of ps row `row` over `link`, in seconds, and what
-    sets it ("what ps:1 sends"); None for a row without ps."""
-    if not multi_task(row) or not row_cluster(row)[1]:
+    """app.plan's least step time of multi-task row `row` over `link`, in seconds,
+    and what sets it ("what ps:1 sends"); None for a single-process row."""
+    if not multi_task(row):
         return None
     from app import plan  # builds the model: TensorFlow, only when a link asks for it
 
     workers, num_ps, sets = row_cluster(row)
     config = cfg.load(config_path, [*PLAIN, *overrides, *sets])
+    rate_bits = network.parse_link(link).rate_bits
+    if not num_ps:
+        return plan.allreduce_bytes(config, workers) * 8 / rate_bits, "each worker's all-reduce"
     _, traffic = plan.predict(config, num_ps)
-    return plan.step_time_bound(traffic, workers, network.parse_link(link).rate_bits)
+    return plan.step_time_bound(traffic, workers, rate_bits)
 
 
 def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -> None:

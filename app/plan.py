@@ -22,6 +22,12 @@ its read and push times add up (`step_time_bound`). `launch.local --link`
 gives a local cluster such links, limiting what each task sends:
 
     python -m app.plan --config configs/mnist_ps.toml --ps 2 --workers 2 --link 1gbit
+
+With `--ps 0` the plan is MultiWorkerMirrored's instead: no ps, and each
+worker sends (and receives) its part of a ring all-reduce of the gradients
+every step (`allreduce_bytes`); with `--link` that too becomes a bound:
+
+    python -m app.plan --config configs/mnist_sync.toml --ps 0 --workers 2 --link 100mbit
 """
 
 from __future__ import annotations
@@ -111,6 +117,34 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
     return Placement(num_ps, tuple(shards)), Traffic(read, scale, index_bytes)
 
 
+def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
+    """The bytes each of `num_workers` MultiWorkerMirrored workers sends per
+    training step, and receives (a ring is symmetric).
+
+    A ring all-reduce of a dense gradient sends 2 (N-1)/N of its bytes from each
+    worker: (N-1)/N to reduce it in parts, as much again to hand the sums round.
+    A table read by lookup has a sparse gradient, which TensorFlow all-gathers
+    instead: each worker passes on the rows each of the other N-1 workers' share
+    of the batch looked up, every row with its int64 id. The values count half
+    with sync.compression = fp16; the ids do not.
+    """
+    from app import task as tasks
+
+    task, config = tasks.create(config)
+    model = task.build_model()
+    scale = 0.5 if config.sync.compression == "fp16" else 1.0
+    share = config.train.global_batch_size // num_workers
+    total = 0.0
+    for var in model.trainable_variables:
+        nbytes = var.shape.num_elements() * var.dtype.size
+        looked_up = task.lookup_rows(var, [var.shape[0]], share) if var.shape.rank else None
+        if looked_up is None:
+            total += 2 * (num_workers - 1) / num_workers * nbytes * scale
+        else:
+            total += (num_workers - 1) * looked_up[0] * (nbytes / var.shape[0] * scale + 8)
+    return total
+
+
 def _slots(optimizer, variables) -> dict[int, int]:
     """id(slot) -> id(its variable): tf_keras names a slot "<slot>/<variable>"."""
     primaries = {v._shared_name: id(v) for v in variables}
@@ -187,11 +221,26 @@ def print_bound(traffic: Traffic, num_workers: int, link_text: str, rate_bits: f
           f"(at most {1 / seconds:.1f} steps/s across the workers)")
 
 
+def print_allreduce(config: cfg.Config, num_workers: int, link_text: str | None,
+                    rate_bits: float | None) -> None:
+    """MultiWorkerMirrored's bytes per step, and over `link_text` the bound they set."""
+    nbytes = allreduce_bytes(config, num_workers)
+    print(f"MultiWorkerMirrored, {num_workers} worker(s), sync.compression = "
+          f"{config.sync.compression}: each worker sends and receives "
+          f"{human_size(round(nbytes))} per training step (ring all-reduce)")
+    if rate_bits:
+        seconds = nbytes * 8 / rate_bits
+        print(f"over a {link_text} link per task: lower bound on the step time "
+              f"{seconds * 1000:.1f} ms, set by each worker's all-reduce "
+              f"(at most {1 / seconds:.1f} steps/s)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m app.plan", description=__doc__.split("\n")[0])
     parser.add_argument("--config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--ps", type=int, required=True, help="number of ps tasks")
+    parser.add_argument("--ps", type=int, required=True,
+                        help="number of ps tasks; 0: MultiWorkerMirrored's all-reduce")
     parser.add_argument("--workers", type=int, default=2,
                         help="workers sharing the steps (for --link)")
     parser.add_argument("--link", metavar="RATE",
@@ -199,11 +248,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = cfg.load(args.config, args.set)
-        if args.ps < 1:
-            raise cfg.ConfigError(f"--ps {args.ps}: need at least 1 ps task")
+        if args.ps < 0:
+            raise cfg.ConfigError(f"--ps {args.ps}: need 0 (MultiWorkerMirrored) or more")
         if args.workers < 1:
             raise cfg.ConfigError(f"--workers {args.workers}: need at least 1 worker")
         rate_bits = _link_rate(args.link)
+        if args.ps == 0:
+            print_allreduce(config, args.workers, args.link, rate_bits)
+            return 0
         placement, traffic = predict(config, args.ps)
     except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -172,7 +172,15 @@ def test_ps_rows_get_app_plans_bound_for_their_own_settings():
     # Float16 pushes halve the push; the float32 reads out of a ps task then bind.
     assert balanced / fp16 == pytest.approx((6.3 + 12.5) / 2 / 6.3, rel=0.02)
     assert fp16_by.endswith(" sends")
-    assert bench.plan_bound("mwms_2w", "1gbit", "configs/mnist.toml", []) is None
+    assert bench.plan_bound("baseline", "1gbit", "configs/mnist.toml", []) is None
+
+
+def test_multi_worker_mirrored_rows_get_the_all_reduces_bound():
+    # Two workers: each sends all 12.5 MiB of float32 gradients a step, half as float16.
+    full, by = bench.plan_bound("mwms_2w", "100mbit", "configs/mnist.toml", [])
+    assert full == pytest.approx(3_274_634 * 4 * 8 / 1e8) and by == "each worker's all-reduce"
+    half, _ = bench.plan_bound("mwms_2w_fp16", "100mbit", "configs/mnist.toml", [])
+    assert half == pytest.approx(full / 2)
 
 
 def test_measured_step_times_are_set_beside_the_bound():

@@ -47,7 +47,7 @@ def test_plan_command_prints_the_report(capsys):
     # Layer names carry a suffix when other tests built models in this process.
     assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
     assert "max/mean = 1.013" in out
-    assert plan.main(["--ps", "0"]) == 2
+    assert plan.main(["--ps", "-1"]) == 2
 
 
 def test_a_link_turns_the_busiest_directions_bytes_into_a_step_time_bound():
@@ -85,3 +85,36 @@ def test_plan_command_prints_the_bound_of_a_link(capsys):
     assert re.search(r"set by what ps:\d sends", capsys.readouterr().out)
     assert plan.main(["--ps", "2", "--link", "1gb"]) == 2
     assert "error: --link '1gb': cannot read '1gb'" in capsys.readouterr().err
+
+
+def test_a_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_gradients():
+    config = cfg.load("configs/mnist_sync.toml")
+    gradients = 3_274_634 * 4
+    assert plan.allreduce_bytes(config, 2) == pytest.approx(gradients)
+    assert plan.allreduce_bytes(config, 4) == pytest.approx(1.5 * gradients)
+    fp16 = cfg.load("configs/mnist_sync.toml", ["sync.compression=fp16"])
+    assert plan.allreduce_bytes(fp16, 2) == pytest.approx(gradients / 2)
+
+
+def test_a_tables_sparse_gradient_is_all_gathered_row_by_row():
+    config = cfg.load("configs/recommender.toml", ["task.table_scale=0.05"])
+    sent = plan.allreduce_bytes(config, 2)
+    # All-reduced densely, each table would send its whole size from each of the two
+    # workers; the rows a batch looks up are far fewer.
+    from app import task as tasks
+
+    task, config = tasks.create(config)
+    model = task.build_model()
+    tables = sum(v.shape.num_elements() * 4 for v in model.trainable_variables
+                 if task.lookup_rows(v, [v.shape[0]], 1) is not None)
+    assert tables and sent < tables / 10
+
+
+def test_plan_command_prints_the_all_reduces_bound(capsys):
+    args = ["--config", "configs/mnist_sync.toml", "--ps", "0", "--workers", "2",
+            "--link", "100mbit"]
+    assert plan.main(args) == 0
+    out = capsys.readouterr().out
+    assert "each worker sends and receives 12.5 MiB per training step" in out
+    bound = re.search(r"lower bound on the step time ([\d.]+) ms", out)
+    assert float(bound.group(1)) == pytest.approx(3_274_634 * 4 * 8 / 1e8 * 1000, abs=0.1)
