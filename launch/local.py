@@ -9,7 +9,10 @@ when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
 after any exit code but 2 (a configuration or storage error): 3 is a lost
-task, 4 a preemption whose backup was saved (app/preemption.py).
+task, 4 a preemption whose backup was saved (app/preemption.py). SIGTERM to
+the launcher itself (a scheduler stopping the job) goes to every task, as if
+each had been preempted, and the launcher exits with the lead's code, without
+relaunching.
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
@@ -50,6 +53,14 @@ EXIT_CODES = {2: "configuration or storage error", 3: "a task was lost",
               4: "preempted, backup saved"}
 NOT_RETRIED = (0, 2)
 PREEMPTED = 4
+# Set by SIGTERM to the launcher itself: the scheduler or the machine is stopping
+# the whole job. Every task is then sent SIGTERM too (training tasks save a backup,
+# app/preemption.py) and nothing is relaunched.
+_TERMINATED = threading.Event()
+
+
+def _on_sigterm(signum, frame) -> None:
+    _TERMINATED.set()
 
 
 class Task:
@@ -141,7 +152,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     synchronous = not args.ps
     failed = None
     try:
-        while lead.process.poll() is None and failed is None:
+        while lead.process.poll() is None and failed is None and not _TERMINATED.is_set():
             time.sleep(0.5)
             if synchronous:
                 failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
@@ -160,7 +171,14 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
                  "stopping the others")
     code = lead.process.poll()
     others = [t for t in tasks if t is not lead]
-    if failed is None and code == 0:  # the others see the run end and exit by themselves
+    if _TERMINATED.is_set():
+        announce("SIGTERM: passing it to every task (training tasks save a backup); "
+                 "no restart")
+        for task in tasks:
+            task.stop()
+        code = lead.finish()  # first: ps tasks serve the chief until it has saved
+        announce(f"{lead.label} exited with {exit_text(code)}")
+    elif failed is None and code == 0:  # the others see the run end and exit by themselves
         announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
     else:
         if failed is None:
@@ -260,13 +278,18 @@ def main(argv: list[str] | None = None) -> int:
     if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
         train_args += ["--workdir", str(default_path())]
     train_args = thread_settings(args.workers, train_args) + train_args
-    for attempt in range(args.max_restarts + 1):
-        if attempt:
-            announce(f"restart {attempt} of {args.max_restarts}")
-        code, _ = run_cluster(args, train_args)
-        if code in NOT_RETRIED:
-            return code
-    return code
+    _TERMINATED.clear()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        for attempt in range(args.max_restarts + 1):
+            if attempt:
+                announce(f"restart {attempt} of {args.max_restarts}")
+            code, _ = run_cluster(args, train_args)
+            if code in NOT_RETRIED or _TERMINATED.is_set():
+                return code
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ import dataclasses
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -206,11 +207,15 @@ def run_in_namespace(python_args: list[str]) -> int:
     """Run `python <python_args>` in a network namespace of its own; its exit code."""
     env = dict(os.environ, **{NETNS_ENV: netns_id()})
     process = subprocess.Popen(["unshare", "--net", "--", sys.executable, "-u", *python_args],
-                               env=env)
+                               env=env)  # unshare execs python: process is the launcher
+    # SIGTERM is sent to this process alone: pass it on, and the launcher stops its tasks.
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: process.send_signal(signum))
     try:
         return process.wait()
     except KeyboardInterrupt:  # it had the same SIGINT: let it stop its tasks
         return process.wait()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def inside() -> bool:

@@ -25,8 +25,9 @@ def launch(*args: str) -> subprocess.Popen:
 def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
                 sig: int = signal.SIGKILL) -> tuple[str, bool]:
     """Read the launcher's output to the end; send `sig` to task `victim` (e.g.
-    "worker:1") at the first line for which `trigger` is true. (all output, whether sent)"""
-    lines, pids, sent = [], {}, False
+    "worker:1", or "launch": the launcher itself) at the first line for which
+    `trigger` is true. (all output, whether sent)"""
+    lines, pids, sent = [], {"launch": launcher.pid}, False
     for line in launcher.stdout:
         lines.append(line)
         if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):

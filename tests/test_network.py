@@ -8,8 +8,11 @@ iproute2 and util-linux's unshare) and move bytes through real links there.
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -151,6 +154,24 @@ def in_namespace(check: str) -> dict:
         capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_sigterm_to_the_outer_launcher_reaches_the_one_in_the_namespace(namespace, tmp_path):
+    # With --link the launcher re-runs itself in a namespace (run_in_namespace), and a
+    # scheduler's SIGTERM reaches only the outer one: it must pass it on.
+    ready = tmp_path / "ready"
+    inner = ("import pathlib, signal, sys, time\n"
+             "signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))\n"
+             f"pathlib.Path({str(ready)!r}).touch()\n"
+             "time.sleep(60)\n")
+
+    def terminate_when_ready():
+        while not ready.exists():
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=terminate_when_ready, daemon=True).start()
+    assert network.run_in_namespace(["-c", inner]) == 7
 
 
 def test_a_task_ports_bytes_go_through_its_own_class_each_way(namespace):

@@ -1,5 +1,6 @@
 """Preemption end to end: SIGTERM to a training task saves a backup at the next
-step boundary and exits with 4; the job launched again goes on from there."""
+step boundary and exits with 4; the job launched again goes on from there.
+SIGTERM to the launcher reaches every task."""
 
 import json
 import re
@@ -68,3 +69,19 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 3 * steps
     assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
+
+
+def test_sigterm_to_the_launcher_preempts_every_task_and_relaunches_nothing(tmp_path):
+    launcher = launching.launch(
+        "--workers", "2", "--ps", "0", "--max-restarts", "1",
+        "--set", "task.train_examples=1500", "--set", "task.validation_examples=0",
+        "--set", "task.test_examples=101", "--set", "train.epochs=3",
+        "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
+        "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
+    output, sent = launching.signal_at_step(launcher, "worker:0", 5, "launch", signal.SIGTERM)
+    assert sent and launcher.wait(timeout=60) == 4, output[-4000:]
+    assert "[launch] SIGTERM: passing it to every task" in output
+    assert f"[launch] worker:0 {PREEMPTED}" in output, output[-4000:]
+    assert f"[launch] worker:1 {PREEMPTED}" in output
+    assert "restart 1 of 1" not in output  # the job was stopped, not failed
+    assert workdir.has_backup(tmp_path / "run")
