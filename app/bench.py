@@ -21,8 +21,8 @@ the single process at those defaults (the `defaults` row).
 With `--link RATE` the multi-task rows run over shaped links (`launch.local
 --link`), and each one's step time is set beside the least one app.plan says
 those links allow (a ps row's busiest link or read-then-push chain, a
-MultiWorkerMirrored row's all-reduce); `--links A,B,C` runs them at each rate and draws
-throughput against bandwidth, the single process as the ceiling:
+MultiWorkerMirrored row's all-reduce); `--links A,B,C` runs them at each rate
+and draws throughput against bandwidth, the single process as the ceiling:
 
     python -m app.bench --links 100mbit,1gbit,10gbit --rows baseline,ps_2w2p,mwms_2w
 """
