@@ -38,12 +38,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 
+from app import bench_report, procstat
 from app import config as cfg
-from app import procstat
-from app.bench_report import bound_lines, chart, machine, sweep_chart, table
 from launch import network  # the link syntax of launch.local --link
 
 _TRAIN = ("-m", "app.train")
@@ -375,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     schedule = entries(rows, links)
     bounds = {name: bound for name, row, link in schedule
               if link and (bound := plan_bound(row, link, args.config, args.set))}
-    host = machine()
+    host = bench_report.machine()
     command = " ".join(["python -m app.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -389,12 +387,8 @@ def main(argv: list[str] | None = None) -> int:
               "repeats": args.repeats, **({"links": links} if links != [None] else {}),
               "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
-    title = (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width
-             + f"\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}")
-    png = args.workdir / "bench.png"
-    drawn = (sweep_chart(results, title, png, BASELINE) if len(links) > 1
-             else chart(results, title, png))
-    print("\n".join([table(results), *bound_lines(results)]))
+    drawn = bench_report.draw(report, args.workdir / "bench.png")
+    print("\n".join([bench_report.table(results), *bench_report.bound_lines(results)]))
     print(f"wrote {args.workdir / 'bench.json'}"
           + (f" and {args.workdir / 'bench.png'}" if drawn else
              " (no chart: matplotlib is missing; pip install -e '.[bench]')"))

@@ -1,12 +1,22 @@
 """What `app.bench` prints and draws: the results table, the bound lines, the charts
-and the machine they were measured on."""
+and the machine they were measured on.
+
+`python -m app.bench_report BENCH_JSON` prints a saved report's table again and
+redraws its chart (beside it, as .png), e.g. after installing matplotlib:
+
+    python -m app.bench_report docs/bench_link_sweep.json
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import pathlib
 import platform
 import subprocess
+import sys
+import textwrap
 
 from launch import network  # the link syntax of launch.local --link
 
@@ -110,8 +120,9 @@ def sweep_chart(results: dict[str, dict], title: str, path: pathlib.Path,
     ax.axhline(results[ceiling]["examples_per_sec"], color="black", linestyle="--",
                linewidth=0.8, label=f"{ceiling}: one process, no network")
     ax.set_xscale("log")
+    ax.set_yscale("log")  # a ratio between two rows is the same gap at every rate
     ax.set_xlabel("link rate of each task, each way (bit/s)")
-    ax.set_ylabel("examples/s")
+    ax.set_ylabel("examples/s (log scale)")
     ax.set_title("throughput against bandwidth")
     ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
@@ -142,3 +153,45 @@ def machine() -> dict[str, str | int]:
     return {"cpu": cpu, "cores": os.cpu_count() or 0, "gpus": len(gpus),
             "gpu": ", ".join(gpus) or "none"}
 
+
+def title(command: str, host: dict) -> str:
+    """A chart's title: the command, wrapped, and the machine."""
+    return (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width
+            + f"\n{host['cpu']}, {host['cores']} cores, GPU: {host['gpu']}")
+
+
+def draw(report: dict, path: pathlib.Path) -> bool:
+    """The chart of a bench.json `report` as a PNG: throughput against bandwidth for a
+    sweep, else ratios and ps bytes; False without matplotlib."""
+    results = report["rows"]
+    text = title(report["command"], report["machine"])
+    if len(report.get("links", ())) > 1:
+        return sweep_chart(results, text, path, ceiling=next(iter(results)))  # a base row
+    return chart(results, text, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m app.bench_report",
+        description="Print a saved bench.json report's table and draw its chart again.")
+    parser.add_argument("report", type=pathlib.Path, help="a bench.json that app.bench wrote")
+    parser.add_argument("--out", type=pathlib.Path, help="the PNG (default: the report's "
+                                                          "path with .png)")
+    args = parser.parse_args(argv)
+    try:
+        report = json.loads(args.report.read_text())
+        print("\n".join([table(report["rows"]), *bound_lines(report["rows"])]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"error: {args.report}: not a report app.bench wrote ({type(e).__name__}: {e})",
+              file=sys.stderr)
+        return 2
+    out = args.out or args.report.with_suffix(".png")
+    if not draw(report, out):
+        print("no chart: matplotlib is missing; pip install -e '.[bench]'", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

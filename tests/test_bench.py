@@ -207,3 +207,23 @@ def test_a_sweeps_rows_keep_their_link_and_their_rows_description():
     results = bench.summarize({"baseline": [{**run, "link": None}], "ps_2w2p@1gbit": [run]})
     assert results["ps_2w2p@1gbit"]["link"] == "1gbit"
     assert results["ps_2w2p@1gbit"]["what"] == bench.ROWS["ps_2w2p"].what
+
+
+def test_a_saved_report_is_printed_and_drawn_again(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    row = {"examples_per_sec": 200.0, "ratio": 0.5, "steps_per_sec": 2.0, "test_metric": 0.9,
+           "peak_memory_mib": 900, "link": "100mbit", "plan_bound_ms": 400.0,
+           "plan_bound_link": "what ps:0 sends", "step_ms": 500.0, "step_over_bound": 1.25}
+    report = {"command": "python -m app.bench --links 100mbit,1gbit",
+              "machine": {"cpu": "cpu", "cores": 2, "gpu": "none"},
+              "links": ["100mbit", "1gbit"],
+              "rows": {"baseline": {**row, "examples_per_sec": 400.0, "ratio": 1.0},
+                       "ps_2w2p@100mbit": row, "ps_2w2p@1gbit": {**row, "link": "1gbit"}}}
+    (tmp_path / "bench.json").write_text(json.dumps(report))
+    assert bench_report.main([str(tmp_path / "bench.json")]) == 0
+    out = capsys.readouterr().out
+    assert "ps_2w2p@100mbit" in out and "(what ps:0 sends): 1.250x" in out
+    assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (tmp_path / "other.json").write_text("{}")
+    assert bench_report.main([str(tmp_path / "other.json")]) == 2
+    assert "not a report app.bench wrote (KeyError" in capsys.readouterr().err
