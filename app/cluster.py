@@ -98,6 +98,18 @@ def lost_ps(message: str, ps: typing.Sequence[str]) -> str:
     return ", ".join(named) or "a parameter server"
 
 
+def lost_peers(message: str, cluster: Cluster) -> str:
+    """Name the other chief and worker tasks a TensorFlow error message blames, with
+    their addresses (a synchronous worker's peers in its collectives)."""
+    named = []
+    for job, i in sorted({(job, int(i)) for job, i in
+                          re.findall(r"/job:(chief|worker)/replica:0/task:(\d+)", message)}):
+        addresses = cluster.jobs.get(job, ())
+        if i < len(addresses) and (job, i) != (cluster.task_type, cluster.task_index):
+            named.append(f"{job}:{i} ({addresses[i]})")
+    return ", ".join(named) or "a peer worker"
+
+
 def read() -> Cluster | None:
     """The validated cluster from TF_CONFIG, or None when it is unset or empty."""
     text = os.environ.get(ENV, "").strip()

@@ -30,7 +30,7 @@ import tf_keras as keras
 
 from app import parameter_server, sync_ps
 from app import strategy as strategies
-from app.cluster import TaskLost, lost_ps
+from app.cluster import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
 from app.task import Task
 from app.workdir import BACKUP_DIR
@@ -173,6 +173,21 @@ class MultiWorker(SingleHost):
     @property
     def writes(self) -> bool:
         return self.cluster is None or self.cluster.is_chief
+
+    @contextlib.contextmanager
+    def guard(self, workdir):
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            if self.cluster is None:
+                raise
+            # A peer that stops answering mid-collective (dead, or cut off) fails every
+            # worker's step: synchronous training cannot go on without it.
+            raise TaskLost(
+                f"{lost_peers(e.message, self.cluster)} became unreachable during an "
+                f"all-reduce; training stopped. Restart the whole job (launch.local "
+                f"--max-restarts, or the cluster's restart policy): it resumes from "
+                f"{workdir / BACKUP_DIR}") from None
 
     def metrics(self, model):
         # The same on every worker, if synchronous training kept its promise.

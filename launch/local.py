@@ -21,7 +21,8 @@ relaunching.
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
 where every task has a link of its own (launch/network.py says how, and what
 such a link cannot shape); `--partition TASK@SECONDS[+DURATION]` then cuts a
-task off the network for a while, without stopping it (needs root):
+task off the network for a while, without stopping it (needs root); after
+a failure, the relaunched cluster (`--max-restarts`) runs without the cuts:
 
     python -m launch.local --workers 2 --ps 2 --link 1gbit --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 1 --link 10gbit,0.1ms --partition worker:1@40+30
@@ -264,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--partition", action="append", default=[],
                         metavar="TASK@SECONDS[+DURATION]",
                         help="with --link: cut TASK off the network SECONDS after every task "
-                             "serves, for DURATION seconds or to the end (e.g. worker:1@40+30)")
+                             "serves, for DURATION seconds or to the end (e.g. worker:1@40+30); "
+                             "a relaunch after a failure runs without it")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
     if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
@@ -284,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         for attempt in range(args.max_restarts + 1):
             if attempt:
                 announce(f"restart {attempt} of {args.max_restarts}")
+                if args.partitions:  # an event of the job, not of each attempt
+                    announce("the relaunched cluster runs without the --partition cuts")
+                    args.partitions = []
             code, _ = run_cluster(args, train_args)
             if code in NOT_RETRIED or _TERMINATED.is_set():
                 return code

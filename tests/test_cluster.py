@@ -98,3 +98,12 @@ def test_mistakes_are_explained(text, message):
         clusters.parse(text)
     assert message in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def test_a_lost_peer_is_named_with_its_address_and_never_the_task_itself():
+    spec = {"worker": ["a:1", "b:2", "c:3"]}
+    me = clusters.parse(json.dumps({"cluster": spec, "task": {"type": "worker", "index": 0}}))
+    message = ("UNAVAILABLE: recvmsg:Connection timed out from remote target "
+               "/job:worker/replica:0/task:1 while running on /job:worker/replica:0/task:0")
+    assert clusters.lost_peers(message, me) == "worker:1 (b:2)"
+    assert clusters.lost_peers("Socket closed", me) == "a peer worker"

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from launch import local
+from launch import local, network
 from tests import launching
 
 pytestmark = pytest.mark.slow
@@ -80,3 +80,14 @@ def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, 
     assert local.main(["--max-restarts", "2", "--workdir", "unused"]) == result
     assert len(seen) == calls
     assert local.exit_text(4) == "4 (preempted, backup saved)" and local.exit_text(-9) == "-9"
+
+
+def test_a_partition_cuts_the_first_attempt_only(monkeypatch):
+    seen = []
+    monkeypatch.setattr(local, "enter_network", lambda argv: None)  # no namespace needed
+    monkeypatch.setattr(local, "run_cluster",
+                        lambda args, train_args: seen.append(list(args.partitions)) or (3, False))
+    argv = ["--link", "1gbit", "--partition", "ps:0@30+20", "--max-restarts", "1",
+            "--workdir", "unused"]
+    assert local.main(argv) == 3
+    assert seen == [[network.Partition("ps:0", 30.0, 20.0)], []]

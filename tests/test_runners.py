@@ -76,6 +76,18 @@ def test_multi_worker_writes_only_on_the_chief_and_counts_its_workers(tmp_path):
     assert not elsewhere.exists()
 
 
+def test_a_multi_worker_peer_lost_mid_all_reduce_is_a_task_lost_error(tmp_path):
+    runner = runners.MultiWorker(strategy.create("default"), cfg.Config(), worker(0))
+    error = tf.errors.UnavailableError(
+        None, None, "from remote target /job:worker/replica:0/task:1 while calling RecvBuf")
+    with pytest.raises(clusters.TaskLost) as lost:
+        with runner.guard(tmp_path):
+            raise error
+    assert str(lost.value).startswith("worker:1 (localhost:2) became unreachable during an "
+                                      "all-reduce; training stopped.")
+    assert str(tmp_path / "backup") in str(lost.value)
+
+
 def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
     config = cfg.load(None, ["train.epochs=2", "train.global_batch_size=8", "train.verbose=0",
                              "train.learning_rate=0.05", "train.lr_schedule=constant"])
