@@ -21,6 +21,7 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
         "--set", "task.train_examples=6000", "--set", "task.validation_examples=500",
         "--set", "task.test_examples=500", "--set", "train.epochs=2",
         "--set", "train.verbose=2", "--set", "debug.log_every_steps=10",
+        "--set", "task.model=mlp",  # what is tested is the cluster, not the model
         "--workdir", str(workdir))
     # At step 40 (scheduled) of the first epoch's 171: well inside it.
     output, killed = launching.signal_at_step(launcher, "chief:0", 40, "worker:1")
@@ -44,7 +45,7 @@ def test_evaluator_task_evaluates_the_chiefs_checkpoints(tmp_path):
             "--evaluator", "--set", "task.train_examples=3000",
             "--set", "task.validation_examples=0", "--set", "task.test_examples=300",
             "--set", "train.epochs=2", "--set", "eval.test_every_epoch=false",
-            "--set", "train.verbose=0", "--workdir", str(workdir)]
+            "--set", "train.verbose=0", "--set", "task.model=mlp", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:]

@@ -54,7 +54,7 @@ def test_a_killed_chief_resumes_within_every_steps_of_where_it_died(tmp_path):
 
 
 def test_a_killed_ps_fails_the_chief_fast_and_the_relaunch_resumes(tmp_path):
-    output, metrics = run_and_kill(tmp_path, "ps:1", STEPS + 20)
+    output, metrics = run_and_kill(tmp_path, "ps:1", STEPS + 20, "--set", "task.model=mlp")
     before = output[:output.index("[launch] restart 1 of 1")]
     assert re.search(r"error: parameter server ps:1 \(localhost:\d+\) became unreachable",
                      before), before[-3000:]
@@ -73,6 +73,7 @@ def test_a_killed_sync_chief_resumes_in_its_epoch(tmp_path):
     launcher = launching.launch(
         "--workers", "2", "--ps", "1", "--max-restarts", "1",
         "--config", "configs/mnist_sync_ps.toml", *SMALL, "--set", "task.train_examples=2000",
+        "--set", "task.model=mlp",
         "--workdir", str(tmp_path / "run"))
     output, killed = launching.signal_at_step(launcher, "chief:0", steps + 5, "chief:0")
     launcher.wait(timeout=60)
