@@ -93,21 +93,24 @@ class Cluster:
 
 def lost_ps(message: str, ps: typing.Sequence[str]) -> str:
     """Name the ps tasks a TensorFlow error message blames, with their `ps` addresses."""
-    indices = sorted({int(i) for i in re.findall(r"/job:ps/replica:0/task:(\d+)", message)})
-    named = [f"ps:{i} ({ps[i]})" for i in indices if i < len(ps)]
-    return ", ".join(named) or "a parameter server"
+    return _blamed(message, {"ps": ps}) or "a parameter server"
 
 
 def lost_peers(message: str, cluster: Cluster) -> str:
     """Name the other chief and worker tasks a TensorFlow error message blames, with
     their addresses (a synchronous worker's peers in its collectives)."""
-    named = []
-    for job, i in sorted({(job, int(i)) for job, i in
-                          re.findall(r"/job:(chief|worker)/replica:0/task:(\d+)", message)}):
-        addresses = cluster.jobs.get(job, ())
-        if i < len(addresses) and (job, i) != (cluster.task_type, cluster.task_index):
-            named.append(f"{job}:{i} ({addresses[i]})")
-    return ", ".join(named) or "a peer worker"
+    jobs = {job: cluster.jobs.get(job, ()) for job in ("chief", "worker")}
+    return (_blamed(message, jobs, skip=(cluster.task_type, cluster.task_index))
+            or "a peer worker")
+
+
+def _blamed(message: str, jobs: typing.Mapping[str, typing.Sequence[str]],
+            skip: tuple[str, int] | None = None) -> str:
+    """"ps:1 (host:port), ...": the tasks of `jobs` that `message` names as
+    /job:JOB/replica:0/task:N, in order, but `skip`."""
+    found = {(job, int(i)) for job, i in re.findall(r"/job:(\w+)/replica:0/task:(\d+)", message)}
+    return ", ".join(f"{job}:{i} ({jobs[job][i]})" for job, i in sorted(found)
+                     if job in jobs and i < len(jobs[job]) and (job, i) != skip)
 
 
 def read() -> Cluster | None:

@@ -156,6 +156,12 @@ class SingleHost:
             shutil.rmtree(outdir, ignore_errors=True)
 
 
+def _stopped(workdir: pathlib.Path) -> str:
+    """What a lost task's error tells the user to do."""
+    return ("training stopped. Restart the whole job (launch.local --max-restarts, or the "
+            f"cluster's restart policy): it resumes from {workdir / BACKUP_DIR}")
+
+
 class MultiWorker(SingleHost):
     """MultiWorkerMirroredStrategy: every worker runs the same loop and takes part in
     every collective, saving included; only the chief writes where the user looks."""
@@ -183,11 +189,8 @@ class MultiWorker(SingleHost):
                 raise
             # A peer that stops answering mid-collective (dead, or cut off) fails every
             # worker's step: synchronous training cannot go on without it.
-            raise TaskLost(
-                f"{lost_peers(e.message, self.cluster)} became unreachable during an "
-                f"all-reduce; training stopped. Restart the whole job (launch.local "
-                f"--max-restarts, or the cluster's restart policy): it resumes from "
-                f"{workdir / BACKUP_DIR}") from None
+            raise TaskLost(f"{lost_peers(e.message, self.cluster)} became unreachable during "
+                           f"an all-reduce; {_stopped(workdir)}") from None
 
     def metrics(self, model):
         # The same on every worker, if synchronous training kept its promise.
@@ -239,11 +242,8 @@ class AsyncPS(SingleHost):
         except tf.errors.UnavailableError as e:
             # The coordinator stops at the first unreachable ps (its variables are
             # gone); carrying on is impossible, waiting is pointless.
-            raise TaskLost(
-                f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} became "
-                f"unreachable; training stopped. Restart the whole job (launch.local "
-                f"--max-restarts, or the cluster's restart policy): it resumes from "
-                f"{workdir / BACKUP_DIR}") from None
+            raise TaskLost(f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} "
+                           f"became unreachable; {_stopped(workdir)}") from None
 
     def build(self, task, optimizer):
         model = super().build(task, optimizer)
