@@ -388,10 +388,9 @@ def main(argv: list[str] | None = None) -> int:
               "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     drawn = bench_report.draw(report, args.workdir / "bench.png")
-    print("\n".join([bench_report.table(results), *bench_report.bound_lines(results)]))
+    print(bench_report.text(results))
     print(f"wrote {args.workdir / 'bench.json'}"
-          + (f" and {args.workdir / 'bench.png'}" if drawn else
-             " (no chart: matplotlib is missing; pip install -e '.[bench]')"))
+          + (f" and {args.workdir / 'bench.png'}" if drawn else f" ({bench_report.NO_CHART})"))
     return 1 if failed else 0
 
 

@@ -20,6 +20,13 @@ import textwrap
 
 from launch import network  # the link syntax of launch.local --link
 
+NO_CHART = "no chart: matplotlib is missing; pip install -e '.[bench]'"
+
+
+def text(results: dict[str, dict]) -> str:
+    """The table, then each bounded row's step time beside app.plan's bound."""
+    return "\n".join([table(results), *bound_lines(results)])
+
 
 def bound_lines(results: dict[str, dict]) -> list[str]:
     """"ps_2w2p: step 560.0 ms, app.plan's bound 530.8 ms (what ps:1 sends): 1.055x"."""
@@ -164,10 +171,10 @@ def draw(report: dict, path: pathlib.Path) -> bool:
     """The chart of a bench.json `report` as a PNG: throughput against bandwidth for a
     sweep, else ratios and ps bytes; False without matplotlib."""
     results = report["rows"]
-    text = title(report["command"], report["machine"])
+    heading = title(report["command"], report["machine"])
     if len(report.get("links", ())) > 1:
-        return sweep_chart(results, text, path, ceiling=next(iter(results)))  # a base row
-    return chart(results, text, path)
+        return sweep_chart(results, heading, path, ceiling=next(iter(results)))  # a base row
+    return chart(results, heading, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         report = json.loads(args.report.read_text())
-        print("\n".join([table(report["rows"]), *bound_lines(report["rows"])]))
+        print(text(report["rows"]))
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(f"error: {args.report}: not a report app.bench wrote ({type(e).__name__}: {e})",
               file=sys.stderr)
         return 2
     out = args.out or args.report.with_suffix(".png")
     if not draw(report, out):
-        print("no chart: matplotlib is missing; pip install -e '.[bench]'", file=sys.stderr)
+        print(NO_CHART, file=sys.stderr)
         return 1
     print(f"wrote {out}")
     return 0

@@ -89,4 +89,3 @@ def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
             if line.startswith("VmHWM:"):
                 found[p] = task, int(line.split()[1]) * 1024
     return found
-
