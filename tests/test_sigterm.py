@@ -45,14 +45,19 @@ def test_sigterm_to_the_chief_saves_exits_4_and_the_rerun_resumes(tmp_path):
     assert [row["epoch"] for row in metrics["history"]] == [1, 2]
 
 
-def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_path):
-    steps = 1000 // 32  # 1500 examples less 500 for validation
-    launcher = launching.launch(
+def two_workers(tmp_path):
+    """Two MultiWorkerMirrored workers on the MLP, 3 epochs of 31 steps, --max-restarts 1."""
+    return launching.launch(
         "--workers", "2", "--ps", "0", "--max-restarts", "1",
         "--set", "task.train_examples=1500", "--set", "task.validation_examples=500",
         "--set", "task.test_examples=101", "--set", "train.epochs=3",
         "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
         "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
+
+
+def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_path):
+    steps = 1000 // 32  # 1500 examples less 500 for validation
+    launcher = two_workers(tmp_path)
     signalled_at = steps + 5
     output, sent = launching.signal_at_step(launcher, "worker:0", signalled_at, "worker:1",
                                             signal.SIGTERM)
@@ -72,12 +77,7 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_
 
 
 def test_sigterm_to_the_launcher_preempts_every_task_and_relaunches_nothing(tmp_path):
-    launcher = launching.launch(
-        "--workers", "2", "--ps", "0", "--max-restarts", "1",
-        "--set", "task.train_examples=1500", "--set", "task.validation_examples=0",
-        "--set", "task.test_examples=101", "--set", "train.epochs=3",
-        "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
-        "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
+    launcher = two_workers(tmp_path)
     output, sent = launching.signal_at_step(launcher, "worker:0", 5, "launch", signal.SIGTERM)
     assert sent and launcher.wait(timeout=60) == 4, output[-4000:]
     assert "[launch] SIGTERM: passing it to every task" in output
