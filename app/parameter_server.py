@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
 from app.cluster import Cluster, reachable, wait_for_tasks
 from app.config import ConfigError, PSConfig, RuntimeConfig
@@ -100,6 +99,9 @@ class Placement:
 
     num_ps: int
     shards: tuple[Shard, ...]
+    # Weights that are not variables (lookup tables, other resources), by name:
+    # they are not partitioned and stay where they were created.
+    others: tuple[str, ...] = ()
 
     @property
     def ps_bytes(self) -> list[int]:
@@ -119,71 +121,69 @@ class Placement:
         by_variable: dict[str, list[Shard]] = {}
         for shard in self.shards:
             by_variable.setdefault(shard.variable, []).append(shard)
-        width = max(len(name) for name in by_variable)
+        width = max((len(name) for name in by_variable), default=0)
         lines = [f"placement over {self.num_ps} ps task(s) (optimizer slots included):"]
         for name, shards in by_variable.items():
             where = " ".join(f"ps:{s.ps_task}" for s in shards)
             total = sum(s.bytes for s in shards)
             lines.append(f"  {name:<{width}}  {len(shards)} shard(s) on {where:<12} "
                          f"{human_size(total):>10}")
+        lines += [f"  {name}  not a variable (a lookup table or other resource): not placed"
+                  for name in self.others]
         lines += [f"  ps:{i}  {human_size(b):>10}" for i, b in enumerate(self.ps_bytes)]
         lines.append(f"  max/mean = {self.balance:.3f}")
         return lines
 
 
 def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
-    """Where `variables` (ShardedVariables expanded) live among the ps tasks."""
-    shards = []
+    """Where `variables` (ShardedVariables expanded) live among the ps tasks; entries
+    that are not variables (Keras lists lookup tables among a model's weights) are
+    named in `others`."""
+    shards, others = [], []
     for var in _unique(variables):
+        if not is_variable(var):
+            others.append(weight_name(var))
+            continue
         for part in getattr(var, "variables", None) or [var]:
             task = tf.DeviceSpec.from_string(part.device).task
             if task is None:
                 raise ValueError(f"variable {part.name} is on {part.device!r}, not a ps task")
             shards.append(Shard(base_name(part.name), task, tuple(part.shape),
                                 part.shape.num_elements() * part.dtype.size))
-    return Placement(num_ps, tuple(shards))
-
-
-def local_evaluator(model, local, task) -> Callable[[tf.data.Dataset], dict[str, float]]:
-    """evaluate(dataset) of `model`'s current weights on `local`, a copy built outside
-    the strategy's scope (on the chief), with the task's loss and metrics.
-
-    Keras' own evaluate() cannot be used on the copy: called from a callback
-    inside fit(), it would pick up the ParameterServerStrategy and send the
-    work to the workers. A plain forward pass over the dataset is exact anyway.
-    """
-    loss_fn, metrics = task.loss(), task.metrics()  # created here, on the chief
-    # Summed here: Keras refuses a batch mean inside the strategy's scope.
-    loss_fn.reduction = keras.losses.Reduction.SUM
-
-    @tf.function
-    def step(features, labels) -> tuple[tf.Tensor, tf.Tensor]:
-        predictions = local(features, training=False)
-        count = tf.shape(tf.nest.flatten(labels)[0])[0]
-        for metric in metrics:
-            metric.update_state(labels, predictions)
-        return tf.cast(loss_fn(labels, predictions), tf.float64), count
-
-    def evaluate(dataset: tf.data.Dataset) -> dict[str, float]:
-        local.set_weights(gather_weights(model))
-        for metric in metrics:
-            metric.reset_state()
-        loss = count = 0.0
-        for features, labels in dataset:
-            batch_loss, batch_count = step(features, labels)
-            loss, count = loss + float(batch_loss), count + int(batch_count)
-        return {"loss": loss / count, **{m.name: float(m.result()) for m in metrics}}
-
-    return evaluate
+    return Placement(num_ps, tuple(shards), tuple(others))
 
 
 def gather_weights(model) -> list[np.ndarray]:
     """`model.get_weights()` with each ShardedVariable's parts joined into one array,
     as the same model built without a partitioner holds them."""
-    parts: dict[str, list[tf.Variable]] = {}  # by variable name, in model order
-    for var in model.weights:
-        parts.setdefault(base_name(var.name), []).append(var)
-    return [np.concatenate([v.numpy() for v in group]) for group in parts.values()]
+    parts: dict[str, list] = {}  # by variable name, in model order
+    for weight in model.weights:
+        if not is_variable(weight):
+            # A lookup table's handler: its tensors, as get_weights() lists them.
+            parts[f"#{id(weight)}"] = weight
+        else:
+            parts.setdefault(base_name(weight.name), []).append(weight)
+    arrays = []
+    for group in parts.values():
+        if isinstance(group, list):  # a scalar is never sharded: one part
+            arrays.append(np.concatenate([v.numpy() for v in group]) if len(group) > 1
+                          else group[0].numpy())
+        else:
+            arrays += [t.numpy() for t in group.get_tensors()]
+    return arrays
+
+
+def weight_name(weight) -> str:
+    """A model weight's name; a lookup table's handler has none: its layer's."""
+    layer = getattr(weight, "_layer", None)  # Keras' VocabWeightHandler keeps its layer so
+    return getattr(weight, "name", None) or (
+        f"{layer.name}/vocabulary" if layer is not None else type(weight).__name__)
+
+
+def is_variable(weight) -> bool:
+    """Whether an entry of `model.weights` is a variable (or a shard of one), not
+    the handler of a lookup table or other resource (Keras lists those too)."""
+    return isinstance(weight, tf.Variable) or hasattr(weight, "variables")
 
 
 def _unique(variables: Iterable[tf.Variable]) -> list[tf.Variable]:

@@ -114,7 +114,9 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
             shards.append(Shard(base_name(var.name), task, shape,
                                 math.prod(shape) * var.dtype.size))
     scale = 0.5 if config.ps.compression == "fp16" else 1.0
-    return Placement(num_ps, tuple(shards)), Traffic(read, scale, index_bytes)
+    others = tuple(parameter_server.weight_name(w) for w in model.weights
+                   if not parameter_server.is_variable(w))
+    return Placement(num_ps, tuple(shards), others), Traffic(read, scale, index_bytes)
 
 
 def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:

@@ -28,7 +28,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import parameter_server, sync_ps
+from app import parameter_server, ps_evaluation, sync_ps
 from app import strategy as strategies
 from app.cluster import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
@@ -117,6 +117,8 @@ class SingleHost:
         with self.strategy.scope():
             model = self.wrap(task.build_model())
             model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+                          loss_weights=task.loss_weights(),
+                          weighted_metrics=task.weighted_metrics(),
                           steps_per_execution=self.config.train.steps_per_execution,
                           jit_compile=self.config.train.jit_compile)
             model.optimizer.build(model.trainable_variables)  # slots now, for placement
@@ -212,7 +214,7 @@ class AsyncPS(SingleHost):
         self._workers, self._ps = cluster.num_workers, cluster.num_ps
         self.straggler = self._straggler()
         self.placement: parameter_server.Placement | None = None
-        self._local: keras.Model | None = None
+        self._task: Task | None = None
 
     def check(self) -> None:
         # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
@@ -258,10 +260,8 @@ class AsyncPS(SingleHost):
         return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
 
     def evaluator(self, model, task):
-        # Evaluation runs on the chief, on a local copy of the weights: exact (every
-        # example once), where evaluating through the coordinator is not.
-        self._local = task.build_model()  # outside the strategy's scope: on the chief
-        return parameter_server.local_evaluator(model, self._local, task)
+        self._task = task
+        return ps_evaluation.evaluator(model, self.coordinator, self._workers)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         dataset_fn = per_worker(dataset_fn, self._workers)
@@ -270,8 +270,9 @@ class AsyncPS(SingleHost):
         return super().fit(model, dataset_fn, callbacks, steps_per_epoch, workdir)
 
     def serving(self, model):
-        self._local.set_weights(parameter_server.gather_weights(model))
-        return self._local
+        local = self._task.build_model()  # outside the strategy's scope: on the chief
+        local.set_weights(parameter_server.gather_weights(model))
+        return local
 
     def metrics(self, model):
         figures = {"ps_bytes": self.placement.ps_bytes, "ps_balance": self.placement.balance,
@@ -336,11 +337,27 @@ class SyncPS(AsyncPS):
         return history
 
     def build(self, task, optimizer):
-        self._task_loss = task.loss()
+        loss = task.loss()
+        # sync_ps's own step computes one loss of (features, labels): what Keras'
+        # compile would add for several outputs or a model's own train_step is not there.
+        self._refuse(isinstance(loss, dict | list | tuple),
+                     f"ps.mode = sync trains one loss, and task {type(task).__name__} gives one "
+                     "per output (a model of several outputs); use ps.mode = async or "
+                     "MultiWorkerMirrored")
+        self._task_loss = keras.losses.get(loss)
+        self._refuse(not isinstance(self._task_loss, keras.losses.Loss),
+                     f"ps.mode = sync needs the task's loss as a keras.losses.Loss, and task "
+                     f"{type(task).__name__} gives a {type(loss).__name__}; wrap it in "
+                     "keras.losses.LossFunctionWrapper or use ps.mode = async")
         # Per-example losses: sync_ps averages them itself (Keras refuses a batch
         # mean inside a function the coordinator schedules).
         self._task_loss.reduction = keras.losses.Reduction.NONE
-        return super().build(task, optimizer)
+        model = super().build(task, optimizer)
+        self._refuse(type(model).train_step is not keras.Model.train_step,
+                     f"ps.mode = sync runs its own training step (app/sync_ps.py), so the "
+                     f"train_step of {type(model).__name__} would not run; use ps.mode = async "
+                     "or MultiWorkerMirrored")
+        return model
 
     def metrics(self, model):
         return {**super().metrics(model), "backup_workers": self.config.ps.backup_workers,

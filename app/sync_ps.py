@@ -40,6 +40,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import preemption, tf_internal
+from app.config import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +73,21 @@ def with_worker_id(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Da
     def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
         worker = tf.cast(index, tf.int32)
-        return dataset_fn(context).map(lambda features, labels: (features, labels, worker))
+        dataset = dataset_fn(context)
+        spec = dataset.element_spec
+        if not (isinstance(spec, tuple) and len(spec) == 2):
+            raise ConfigError(
+                "ps.mode = sync and debug.slow_worker train on (features, labels) batches, and "
+                f"this task's training data yields {_elements(spec)}; use ps.mode = async "
+                "without debug.slow_worker, or MultiWorkerMirrored")
+        return dataset.map(lambda features, labels: (features, labels, worker))
     return fn
+
+
+def _elements(spec) -> str:
+    if isinstance(spec, tuple) and len(spec) == 3:
+        return "(features, labels, sample weights)"
+    return f"{len(spec)} elements" if isinstance(spec, tuple) else "one element"
 
 
 class StragglingModel(keras.Model):

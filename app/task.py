@@ -78,15 +78,28 @@ class Task:
         None when the task has no such split. (Must implement.)"""
         raise NotImplementedError(f"{type(self).__name__}.eval_dataset")
 
-    def loss(self) -> keras.losses.Loss:
-        """The training loss, averaged over a batch. (Must implement.)"""
+    def loss(self) -> keras.losses.Loss | dict[str, Any]:
+        """The training loss, averaged over a batch; for a model of several outputs,
+        a dict of losses by output name. (Must implement.)"""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     # -- what a task may change -----------------------------------------------------------
 
-    def metrics(self) -> list[keras.metrics.Metric]:
-        """New metric objects for training and evaluation (named; called more than once)."""
+    def metrics(self) -> list[keras.metrics.Metric] | dict[str, Any]:
+        """New metric objects for training and evaluation (named; called more than once);
+        for a model of several outputs, a dict of them by output name, as
+        `Model.compile(metrics=...)` takes."""
         return []
+
+    def weighted_metrics(self) -> list[keras.metrics.Metric] | dict[str, Any] | None:
+        """Metrics weighted by the sample weights the datasets yield (as
+        `Model.compile(weighted_metrics=...)` takes), or None."""
+        return None
+
+    def loss_weights(self) -> list[float] | dict[str, float] | None:
+        """The weight of each output's loss in the total (`Model.compile(loss_weights=...)`),
+        or None for equal weights."""
+        return None
 
     def train_examples(self) -> int | None:
         """Examples in one pass over the training data; None for an unbounded source

@@ -118,3 +118,12 @@ def test_plan_command_prints_the_all_reduces_bound(capsys):
     assert "each worker sends and receives 12.5 MiB per training step" in out
     bound = re.search(r"lower bound on the step time ([\d.]+) ms", out)
     assert float(bound.group(1)) == pytest.approx(3_274_634 * 4 * 8 / 1e8 * 1000, abs=0.1)
+
+
+def test_a_lookup_table_is_listed_as_not_a_variable_and_placed_nowhere():
+    config = cfg.load(None, ["task.name=zoo:TextVectorizationModel"])
+    placement, _ = plan.predict(config, num_ps=2)
+    assert len(placement.others) == 1
+    report = "\n".join(placement.report())
+    assert "not a variable (a lookup table or other resource): not placed" in report
+    assert {s.variable.rsplit("/", 1)[-1] for s in placement.shards} >= {"embeddings", "kernel"}
