@@ -2,34 +2,107 @@
 
 A training `dataset_fn` runs where the data is read: on each worker under the
 multi-worker strategies, after the chief traced it. Whatever it captures is
-sent with it, so large arrays must not be captured (`from_arrays` refuses
-them): such data belongs in files every worker can read (`write_records`,
-`read_records`), or is generated from the example index.
+sent with it, so large arrays must not be captured: `from_arrays` writes
+them to files every worker can read; `write_records` and `read_records` do
+the same for a task's own files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
+import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
 # Arrays captured by a dataset_fn become constants of its graph, serialised to
-# every worker with each function; past a few MB that is the slowest way to ship data.
+# every worker with each function; past a few MB that is the slowest way to ship
+# data, and past 2 GB impossible (a graph is one protobuf).
 MAX_ARRAY_BYTES = 8 << 20
 
+# Where `from_arrays` writes arrays too large for a graph: the run's workdir (set by
+# `trainer.run`), which every task of a job can read; else a directory in /tmp.
+_storage: pathlib.Path | None = None
 
-def from_arrays(*arrays: np.ndarray) -> tf.data.Dataset:
-    """The examples of small in-memory `arrays` (first axis = examples)."""
-    size = sum(a.nbytes for a in arrays)
-    if size > MAX_ARRAY_BYTES:
-        raise ValueError(
-            f"in-memory arrays of {size / 2**20:.1f} MiB are too large to capture in a "
-            f"dataset_fn (limit {MAX_ARRAY_BYTES >> 20} MiB: they would be sent to every "
-            "worker inside its graph); write them to files with app.data.write_records and "
-            "read those with app.data.read_records")
-    return tf.data.Dataset.from_tensor_slices(arrays if len(arrays) > 1 else arrays[0])
+
+def use_storage(directory: str | pathlib.Path | None) -> None:
+    """Write the files of large `from_arrays` arrays under `directory` (None: /tmp)."""
+    global _storage
+    _storage = None if directory is None else pathlib.Path(directory)
+
+
+def from_arrays(*arrays) -> tf.data.Dataset:
+    """The examples of in-memory `arrays` (first axis = examples; each argument an
+    array or a dict of arrays), of any size.
+
+    Up to `MAX_ARRAY_BYTES` in all they travel inside the dataset's graph; above
+    that each array is written once to a file named by its contents in the run's
+    storage (`use_storage`), which the input pipelines read wherever they run.
+    """
+    structure = arrays if len(arrays) > 1 else arrays[0]
+    flat = [np.asarray(a) for a in tf.nest.flatten(structure)]
+    if sum(a.nbytes for a in flat) <= MAX_ARRAY_BYTES:
+        return tf.data.Dataset.from_tensor_slices(structure)
+    counts = {len(a) for a in flat}
+    if len(counts) != 1:
+        raise ValueError(f"from_arrays: the arrays hold different numbers of examples "
+                         f"({sorted(counts)}); give each the same first axis")
+    directory = _storage / "arrays" if _storage else pathlib.Path(tempfile.gettempdir(),
+                                                                  "tf-train-arrays")
+    columns = tf.data.Dataset.zip(tuple(_file_column(a, directory) for a in flat))
+    return columns.map(lambda *values: tf.nest.pack_sequence_as(structure, list(values)),
+                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _file_column(array: np.ndarray, directory: pathlib.Path) -> tf.data.Dataset:
+    """The rows of `array`, read from its file: fixed-length records for numbers,
+    one TFRecord per example for strings."""
+    if array.dtype.kind in "OSU":
+        if array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
+            raise ValueError(f"from_arrays: a string array of shape {array.shape} is too "
+                             "large for the graph and only a column of strings (n,) or (n, 1) "
+                             "can go through a file; write it with app.data.write_records")
+        path = _write_once(directory, array, ".tfrecord", _write_strings)
+        dataset = tf.data.TFRecordDataset(str(path))
+        return dataset.map(lambda s: tf.reshape(s, array.shape[1:]))
+    if array.dtype == np.bool_:
+        return _file_column(array.view(np.uint8), directory).map(lambda v: tf.cast(v, tf.bool))
+    dtype = tf.as_dtype(array.dtype)
+    row = array[0].nbytes if len(array) else 1
+    path = _write_once(directory, np.ascontiguousarray(array, array.dtype.newbyteorder("<")),
+                       ".bin", lambda f, a: a.tofile(f))
+    return tf.data.FixedLengthRecordDataset(str(path), record_bytes=row).map(
+        lambda r: tf.reshape(tf.io.decode_raw(r, dtype), array.shape[1:]),
+        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _write_strings(path: str, array: np.ndarray) -> None:
+    with tf.io.TFRecordWriter(path) as writer:
+        for value in np.ravel(array):
+            writer.write(value if isinstance(value, bytes) else str(value).encode())
+
+
+def _write_once(directory: pathlib.Path, array: np.ndarray, suffix: str,
+                write: Callable[[str, np.ndarray], None]) -> pathlib.Path:
+    """`array`'s file, named by its contents, written if no task has written it yet.
+
+    Each process that needs it and finds it missing writes a temporary file and
+    renames it into place: a rename is atomic, and two tasks racing write the
+    same bytes, so no reader ever sees a partial file and no lock is needed.
+    """
+    digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
+    digest.update(array.tobytes() if array.dtype.kind not in "OSU"
+                  else "\0".join(map(str, np.ravel(array))).encode())
+    path = directory / f"{digest.hexdigest()[:24]}{suffix}"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        partial = directory / f".{path.name}.{os.getpid()}.partial"
+        write(str(partial), array)
+        os.replace(partial, path)
+    return path
 
 
 def write_records(path: str | pathlib.Path, columns: dict[str, np.ndarray]) -> int:

@@ -39,6 +39,7 @@ def run(config: Config, workdir: pathlib.Path, *,
     # Keras' dtype policy is global; it applies to every layer built during the run.
     previous = keras.mixed_precision.global_policy()
     keras.mixed_precision.set_global_policy(config.train.precision)
+    data.use_storage(workdir)  # large in-memory arrays go through files there
     try:
         with runner.guard(pathlib.Path(workdir)):
             return _train(config, pathlib.Path(workdir), task, runner, steps_per_epoch)
@@ -47,6 +48,7 @@ def run(config: Config, workdir: pathlib.Path, *,
         raise storage_error(e, pathlib.Path(workdir)) or e from None
     finally:
         keras.mixed_precision.set_global_policy(previous)
+        data.use_storage(None)
 
 
 def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.SingleHost,

@@ -15,14 +15,42 @@ def context(pipelines=1, pipeline_id=0):
                                       num_replicas_in_sync=pipelines)
 
 
-def test_large_arrays_are_refused_with_the_fix():
-    big = np.zeros((3000, 28, 28, 1), np.float32)  # 9.0 MiB
-    with pytest.raises(ValueError) as e:
-        data.from_arrays(big)
-    assert str(e.value).startswith("in-memory arrays of 9.0 MiB are too large to capture in a "
-                                   "dataset_fn (limit 8 MiB")
-    assert "app.data.write_records" in str(e.value)
-    assert len(list(data.from_arrays(big[:100]))) == 100
+def test_large_arrays_go_through_one_file_each_and_read_back_exactly(tmp_path):
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 255, (3000, 28, 28, 1), dtype=np.uint8)
+    features = {"x": rng.normal(size=(3000, 700)).astype(np.float32),  # 8.0 MiB: over the limit
+                "flag": rng.integers(0, 2, 3000).astype(bool),
+                "text": np.array([f"w{i % 7}" for i in range(3000)], dtype=object)}
+    data.use_storage(tmp_path)
+    try:
+        dataset = data.from_arrays(features, images)
+        again = data.from_arrays(features, images)
+    finally:
+        data.use_storage(None)
+    files = sorted(p.name for p in (tmp_path / "arrays").iterdir())
+    assert len(files) == 4 and not any(name.startswith(".") for name in files)  # written once
+    assert dataset.element_spec[0]["x"].shape == (700,) and dataset.element_spec[1].shape == (
+        28, 28, 1)
+    for got in (dataset, again):
+        rows = list(got.skip(2990))
+        np.testing.assert_array_equal(np.stack([r[1] for r in rows]), images[2990:])
+        np.testing.assert_array_equal(np.stack([r[0]["x"] for r in rows]), features["x"][2990:])
+        assert [bool(r[0]["flag"]) for r in rows] == list(features["flag"][2990:])
+        assert [r[0]["text"].numpy().decode() for r in rows] == list(features["text"][2990:])
+
+
+def test_small_arrays_stay_in_the_graph(tmp_path):
+    data.use_storage(tmp_path)
+    try:
+        assert len(list(data.from_arrays(np.zeros((100, 3), np.float32)))) == 100
+    finally:
+        data.use_storage(None)
+    assert not (tmp_path / "arrays").exists()
+
+
+def test_large_arrays_of_different_lengths_are_refused_by_name():
+    with pytest.raises(ValueError, match=r"different numbers of examples \(\[10, 3000\]\)"):
+        data.from_arrays(np.zeros((3000, 28, 28, 1), np.float32), np.zeros(10))
 
 
 def test_records_round_trip(tmp_path):

@@ -92,13 +92,12 @@ class Mnist(Task):
                     validation: tuple[np.ndarray, np.ndarray] | None,
                     test: tuple[np.ndarray, np.ndarray], params: Params | None = None,
                     **kwargs) -> Mnist:
-        """The task on small in-memory (images, labels) arrays: tests, notebooks."""
+        """The task on in-memory (images, labels) arrays: tests, notebooks."""
         task = cls(params, **kwargs)
 
         def split(arrays):
             if arrays is None:
                 return None, 0
-            data.from_arrays(*arrays)  # refuses large arrays now, not on a worker later
             return (lambda: data.from_arrays(*arrays)), len(arrays[1])
 
         task._splits = Splits(*split(train), *split(validation), *split(test))
