@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast bench local-cluster lint docs clean
+.PHONY: install train test test-fast bench local-cluster lint docs compat clean
 
 install: $(STAMP)
 
@@ -44,6 +44,13 @@ lint: install
 # docs/configuration.md from the config dataclasses (tests/test_configdoc.py checks it)
 docs: install
 	$(PY) -m app.configdoc
+
+# The compatibility suite, recording each zoo case's outcome under each way of training
+# (docs/compatibility.json), then docs/compatibility.md; `make test` checks both.
+compat: install
+	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py -m "not cluster" -k "not matrix" $(ARGS)
+	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py -m cluster $(ARGS)
+	$(PY) -m app.compatdoc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

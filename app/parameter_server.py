@@ -156,20 +156,21 @@ def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
 def gather_weights(model) -> list[np.ndarray]:
     """`model.get_weights()` with each ShardedVariable's parts joined into one array,
     as the same model built without a partitioner holds them."""
-    parts: dict[str, list] = {}  # by variable name, in model order
+    # The parts of one ShardedVariable, by its name; every other weight on its own
+    # (names repeat: two metrics of a subclassed model each have a "total").
+    parts: dict[str, list] = {}
     for weight in model.weights:
-        if not is_variable(weight):
-            # A lookup table's handler: its tensors, as get_weights() lists them.
-            parts[f"#{id(weight)}"] = weight
-        else:
-            parts.setdefault(base_name(weight.name), []).append(weight)
+        name = getattr(weight, "name", "")
+        sharded = is_variable(weight) and base_name(name) != name.removesuffix(":0")
+        parts.setdefault(base_name(name) if sharded else f"#{id(weight)}", []).append(weight)
     arrays = []
     for group in parts.values():
-        if isinstance(group, list):  # a scalar is never sharded: one part
+        if not is_variable(group[0]):
+            # A lookup table's handler: its tensors, as get_weights() lists them.
+            arrays += [t.numpy() for t in group[0].get_tensors()]
+        else:
             arrays.append(np.concatenate([v.numpy() for v in group]) if len(group) > 1
                           else group[0].numpy())
-        else:
-            arrays += [t.numpy() for t in group.get_tensors()]
     return arrays
 
 

@@ -201,6 +201,14 @@ class MultiWorker(SingleHost):
         return {"weights_sha256": digest}
 
 
+# tf_keras 2.21 refuses the policy under ParameterServerStrategy: float16 needs loss
+# scaling, which its LossScaleOptimizer cannot do there (policy.py, base_layer.py).
+MIXED_FLOAT16 = ("the mixed_float16 policy (train.precision, or a layer's dtype) needs loss "
+                 "scaling, which Keras does not support under {name}; use train.precision = "
+                 "mixed_bfloat16 (no loss scaling) or float32, or a Mirrored or "
+                 "MultiWorkerMirrored strategy")
+
+
 class AsyncPS(SingleHost):
     """ParameterServerStrategy: the chief runs Keras fit, whose steps a
     ClusterCoordinator schedules on the workers; variables live on the ps tasks."""
@@ -218,6 +226,7 @@ class AsyncPS(SingleHost):
 
     def check(self) -> None:
         # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
+        self._refuse(self.config.train.precision == "mixed_float16", MIXED_FLOAT16)
         self._check_all_reduce_and_batch()
 
     def _straggler(self) -> sync_ps.Straggler | None:
@@ -248,7 +257,12 @@ class AsyncPS(SingleHost):
                            f"became unreachable; {_stopped(workdir)}") from None
 
     def build(self, task, optimizer):
-        model = super().build(task, optimizer)
+        try:
+            model = super().build(task, optimizer)
+        except ValueError as e:  # a layer of the task's own with a mixed_float16 policy
+            if "Mixed precision is not supported" not in str(e):
+                raise
+            raise ConfigError(MIXED_FLOAT16.format(name=self.name)) from None
         self.placement = parameter_server.placement(
             model.variables + model.optimizer.variables(), self._ps)
         return model
@@ -272,6 +286,12 @@ class AsyncPS(SingleHost):
     def serving(self, model):
         local = self._task.build_model()  # outside the strategy's scope: on the chief
         local.set_weights(parameter_server.gather_weights(model))
+        # Keras saves a subclassed model only once it has been called (its input
+        # signature comes from that call): once, on blanks shaped as in training.
+        spec = model.save_spec()
+        if spec is not None:
+            args, kwargs = tf.nest.map_structure(_blank, spec)
+            local(*args, **{**kwargs, "training": False})  # no batch statistics updated
         return local
 
     def metrics(self, model):
@@ -390,6 +410,14 @@ def per_worker(dataset_fn: DatasetFn, num_workers: int) -> DatasetFn:
             num_input_pipelines=num_workers, input_pipeline_id=index,
             num_replicas_in_sync=context.num_replicas_in_sync))
     return fn
+
+
+def _blank(spec):
+    """One example of zeros (or empty strings) of a tensor spec's shape and dtype."""
+    if not isinstance(spec, tf.TensorSpec):
+        return spec
+    shape = [1 if d is None else d for d in spec.shape]
+    return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
 
 
 def weights_digest(model: keras.Model) -> str:

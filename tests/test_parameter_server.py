@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tf_keras as keras
+import zoo
 
 from app import cluster as clusters
 from app import config as cfg
@@ -69,6 +70,16 @@ def test_variables_live_on_ps_and_the_big_kernel_is_sharded_over_both(ps_strateg
     tasks = sorted(tf.DeviceSpec.from_string(v.device).task for v in kernel.variables)
     jobs = {tf.DeviceSpec.from_string(v.device).job for v in kernel.variables}
     assert jobs == {"ps"} and tasks == [0, 1]
+
+
+def test_placement_lists_a_lookup_table_among_the_weights_as_not_a_variable(ps_strategy):
+    with ps_strategy.scope():
+        model = zoo.TextVectorizationModel().build_model()
+    placement = parameter_server.placement(model.weights, num_ps=2)
+    assert [type(w).__name__ for w in model.weights if not parameter_server.is_variable(w)] == [
+        "VocabWeightHandler"]
+    assert len(placement.others) == 1 and len(placement.shards) == 3  # embedding, kernel, bias
+    assert any("not a variable" in line for line in placement.report())
 
 
 def test_placement_is_balanced_and_predicted_by_the_plan(trained):
@@ -181,3 +192,36 @@ def test_the_example_task_trains_on_the_cluster(ps_strategy, ps_cluster, tmp_pat
     assert (metrics["strategy"], metrics["metric"]) == ("ParameterServerStrategy", "test_mae")
     assert 0 < metrics["test_mae"] < 0.9
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["num_ps"] == 2
+
+
+class LargeArrays(zoo.Zoo):
+    """12.5 and 9.4 MiB of images passed as NumPy arrays: over the graph's limit."""
+
+    def arrays(self, split):
+        n = 3200 if split == "train" else 2400
+        labels = np.random.default_rng(len(split)).integers(0, 2, n)
+        images = np.zeros((n, 32, 32, 1), np.float32)
+        images[labels == 1, :16] = 1.0
+        return images, labels.astype(np.int64)
+
+    def train_examples(self):
+        return 3200
+
+    def eval_examples(self, split):
+        return 2400
+
+    def build_model(self):
+        x = keras.Input((32, 32, 1))
+        return keras.Model(x, keras.layers.Dense(2)(keras.layers.GlobalAveragePooling2D()(x)))
+
+
+def test_arrays_over_the_graph_limit_train_through_files_in_the_workdir(
+        ps_strategy, ps_cluster, tmp_path):
+    config = cfg.load(None, ["train.epochs=1", "train.global_batch_size=64", "train.verbose=0",
+                             "train.learning_rate=0.05"])
+    metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
+                          task=LargeArrays())
+    # One file per array (train images and labels, test images and labels), read by
+    # the workers; every test example evaluated once, and learned.
+    assert len(list((tmp_path / "arrays").glob("*.bin"))) == 4
+    assert metrics["num_test_examples"] == 2400 and metrics["test_accuracy"] > 0.9

@@ -1,0 +1,110 @@
+"""The compatibility suite: every zoo task (tests/zoo.py) under every way of training.
+
+Each case trains through `trainer.run` as `python -m app.train` would, then is
+checked against Keras itself on one process: the run's last checkpoint restored
+into a model built without a strategy must give, under Keras' own `evaluate`,
+the headline metric the run reported (so evaluation saw every test example once
+and computed Keras' formula), and the exported SavedModel must serve the raw
+test features with the same predictions. A case is refused when the run stops
+before training with a ConfigError (exit 2, one line); anything else is a bug.
+
+The results are `docs/compatibility.json`, rendered to `docs/compatibility.md`
+(`python -m app.compatdoc`); tests/test_compat.py checks that each run gives the
+recorded outcome. Run as a script, it is one worker of a MultiWorkerMirrored
+pair (TF_CONFIG set) and prints its results as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from app import config as cfg
+from app import task as tasks
+from app import trainer
+from app.workdir import CHECKPOINT_DIR
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import zoo  # noqa: E402
+
+WAYS = ("one_process", "mirrored", "multi_worker_mirrored", "ps_async", "ps_sync")
+# The headline metric against Keras' evaluate of the same weights on one process.
+TOLERANCE = 1e-4
+
+
+def config_for(name: str, way: str) -> cfg.Config:
+    overrides = [f"task.name=zoo:{name}", "train.epochs=1", "train.global_batch_size=16",
+                 "eval.batch_size=16", "checkpoint.keep=1",
+                 *(f"{k}={v}" for k, v in zoo.CASES[name].overrides.items())]
+    if way == "ps_sync":
+        overrides.append("ps.mode=sync")
+    return cfg.load(None, overrides)
+
+
+def run_case(name: str, way: str, workdir: pathlib.Path, *,
+             strategy: tf.distribute.Strategy | None = None, cluster=None,
+             check: bool = True) -> dict[str, Any]:
+    """Train zoo case `name` the `way` given; its outcome and, if it trained and
+    `check`, how it compares with Keras on one process."""
+    task, config = tasks.create(config_for(name, way))
+    try:
+        metrics = trainer.run(config, workdir, strategy=strategy, task=task, cluster=cluster)
+    except cfg.ConfigError as e:
+        return {"outcome": "refused", "reason": str(e)}
+    if not check:
+        return {"outcome": "works"}
+    return {"outcome": "works", **compare(task, config, workdir, metrics)}
+
+
+def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
+            metrics: dict[str, Any]) -> dict[str, Any]:
+    """The run's headline and its export against Keras on one process."""
+    previous = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy(config.train.precision)
+    try:
+        model = task.build_model()
+        model.compile(loss=task.loss(), metrics=task.metrics(), loss_weights=task.loss_weights(),
+                      weighted_metrics=task.weighted_metrics())
+        latest = tf.train.latest_checkpoint(str(workdir / CHECKPOINT_DIR))
+        tf.train.Checkpoint(model=model).restore(latest).expect_partial()
+        test = task.eval_dataset("test", config.eval.batch_size)
+        keras_result = model.evaluate(test, verbose=0, return_dict=True)
+        raw = tf.nest.map_structure(lambda a: a[:8], task.arrays("test")[0])
+        served = tf.saved_model.load(str(workdir / "export"))(raw)
+        expected = task.serving_model(model)(raw)
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    export_error = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
+                       for a, b in zip(tf.nest.flatten(served), tf.nest.flatten(expected),
+                                       strict=True))
+    headline = f"test_{task.metric}"
+    return {"headline": headline, "reported": metrics[headline],
+            "keras": float(keras_result[task.metric]),
+            "headline_error": abs(metrics[headline] - float(keras_result[task.metric])),
+            "test_examples": metrics.get("num_test_examples"), "export_error": export_error}
+
+
+def main() -> int:
+    """One worker of a MultiWorkerMirrored pair: every case, in the same order as its peer."""
+    from app import cluster as clusters
+    from app import strategy as strategies
+
+    workdir = pathlib.Path(sys.argv[1])
+    cluster = clusters.read()
+    strategy = strategies.create("auto", cluster, cfg.Config())
+    results = {}
+    for name in zoo.CASES:
+        results[name] = run_case(name, "multi_worker_mirrored", workdir / name,
+                                 strategy=strategy, cluster=cluster, check=cluster.is_chief)
+    print("RESULTS " + json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
