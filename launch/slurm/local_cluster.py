@@ -1,17 +1,18 @@
-"""`python -m launch.slurm.local_cluster start|stop|status`: a one-node SLURM cluster here.
+"""`python -m launch.slurm.local_cluster start|stop|status|install`: a one-node SLURM cluster.
 
     make slurm-cluster          # = python -m launch.slurm.local_cluster start
     sbatch --ntasks=4 launch/slurm/train.sbatch --set task.model=mlp
     make slurm-cluster-stop     # = python -m launch.slurm.local_cluster stop
 
 `start` installs Debian's SLURM and MUNGE packages if they are missing
-(apt-get), writes `slurm.conf` and every daemon's state, logs and sockets
-under `--dir` (default /tmp/tf-slurm), starts munged, slurmctld and slurmd in
-the foreground of sessions of their own, records their process ids, and
-returns once the node is idle. `stop` cancels the cluster's jobs and stops
-exactly those processes. Needs root: slurmd runs each job as its user, and
-munged runs as the `munge` user. A missing prerequisite (not root, no apt-get,
-a port in use) is exit code 2 and one line that names it and the fix.
+(apt-get; `install` does only that, CI's set-up step), writes `slurm.conf` and
+every daemon's state, logs and sockets under `--dir` (default /tmp/tf-slurm),
+starts munged, slurmctld and slurmd in the foreground of sessions of their
+own, records their process ids, and returns once the node is idle. `stop`
+cancels the cluster's jobs and stops exactly those processes. Needs root:
+slurmd runs each job as its user, and munged runs as the `munge` user. A
+missing prerequisite (not root, no apt-get, a port in use) is exit code 2 and
+one line that names it and the fix.
 
 munged gets a key and a socket of its own under `--dir`, so that a system
 munged, if any, is left alone. The node is this machine, under its hostname
@@ -292,7 +293,7 @@ def status(state: pathlib.Path) -> bool:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m launch.slurm.local_cluster",
                                      description=__doc__.split("\n")[0])
-    parser.add_argument("command", choices=("start", "stop", "status"))
+    parser.add_argument("command", choices=("start", "stop", "status", "install"))
     parser.add_argument("--dir", type=pathlib.Path, default=DEFAULT_DIR,
                         help=f"config, state and logs (default {DEFAULT_DIR})")
     parser.add_argument("--cpus", type=int, default=8,
@@ -304,6 +305,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "start":
             start(state, args.cpus, args.ctld_port, args.slurmd_port)
+        elif args.command == "install":
+            if reason := missing_prerequisite():
+                raise ClusterError(reason)
+            install_packages()
         elif args.command == "stop":
             stop(state)
         else:
