@@ -191,3 +191,12 @@ def test_a_port_in_use_is_named_with_the_flag_that_moves_it():
         with pytest.raises(local_cluster.ClusterError,
                            match=f"port {port} is in use .* pass --ctld-port with a free port"):
             local_cluster.check_port(port, "--ctld-port")
+
+
+def test_thread_pools_follow_the_tasks_cpus_unless_set():
+    config = slurm.tf_config(env(0), num_ps=1, port=2222)  # 2 workers
+    cpus = {**env(0), "SLURM_CPUS_PER_TASK": "2"}
+    assert slurm.thread_settings(cpus, config, []) == [
+        "--set", "runtime.inter_op_threads=3", "--set", "runtime.intra_op_threads=2"]
+    assert slurm.thread_settings(cpus, config, ["--set", "runtime.intra_op_threads=1"]) == [
+        "--set", "runtime.inter_op_threads=3"]

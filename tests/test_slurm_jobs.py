@@ -26,7 +26,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 JOB_TIMEOUT_S = 600
 SMALL = ["--set", "task.model=mlp", "--set", "task.train_examples=2048",
          "--set", "task.validation_examples=256", "--set", "task.test_examples=500",
-         "--set", "train.verbose=0", "--set", "runtime.intra_op_threads=1"]
+         "--set", "train.verbose=0"]
 STEP = re.compile(r"^\[chief:0\] INFO step (\d+)$", re.M)
 
 
@@ -100,8 +100,7 @@ def test_parameter_server_job_requeued_mid_epoch_resumes_and_completes(slurm, tm
     WORKDIR, resumes from the backup and finishes; no epoch is trained twice."""
     workdir, out = tmp_path / "work", tmp_path / "job.out"
     job_id = submit(slurm, out, ["--ntasks=3"],
-                    ["--set", "train.epochs=3", "--set", "debug.log_every_steps=8",
-                     "--set", "runtime.inter_op_threads=3"],
+                    ["--set", "train.epochs=3", "--set", "debug.log_every_steps=8"],
                     PS="1", CONFIG="configs/mnist_ps.toml", WORKDIR=str(workdir))
     deadline = time.monotonic() + JOB_TIMEOUT_S
     # 1792 training examples, batch 32: 56 steps an epoch; step 64 is in epoch 2.

@@ -112,6 +112,21 @@ def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
     raise SlurmError(f"SLURM_PROCID {rank} is outside the step's {len(addresses)} tasks")
 
 
+def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str]) -> list[str]:
+    """`--set` thread pools as launch.local chooses them, unless the arguments do.
+
+    Without cgroups a task sees every core of its node and TensorFlow would size
+    its op pool for all of them, in each of the node's tasks: one op's threads
+    are the task's SLURM_CPUS_PER_TASK instead. And fewer than workers + 1 ops
+    at once can deadlock a ps serving every worker (as in launch.local)."""
+    settings = {"runtime.inter_op_threads": len(config["cluster"].get("worker", [])) + 1}
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
+    return [arg for key, value in settings.items()
+            if not any(a.startswith(key + "=") for a in train_args)
+            for arg in ("--set", f"{key}={value}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
@@ -131,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     except SlurmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "app.train", *train_args]
+    command = [sys.executable, "-m", "app.train",
+               *thread_settings(os.environ, config, train_args), *train_args]
     if args.dry_run:
         print(json.dumps({"TF_CONFIG": config, "command": command[1:]}))
         return 0
