@@ -143,6 +143,9 @@ SelectTypeParameters=CR_CPU
 # The node may declare more CPUs than it has (several tasks per core).
 SlurmdParameters=config_overrides
 ReturnToService=2
+# Look for jobs to start every 5 s (SLURM's default 60): a requeued job waits
+# for the next pass once it is eligible again.
+SchedulerParameters=sched_interval=5
 # A batch job may be requeued (scontrol requeue, or the job itself after a preemption).
 JobRequeue=1
 # Seconds between SIGTERM and SIGKILL when a job is cancelled, requeued or out of
