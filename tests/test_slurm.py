@@ -200,3 +200,26 @@ def test_thread_pools_follow_the_tasks_cpus_unless_set():
         "--set", "runtime.inter_op_threads=3", "--set", "runtime.intra_op_threads=2"]
     assert slurm.thread_settings(cpus, config, ["--set", "runtime.intra_op_threads=1"]) == [
         "--set", "runtime.inter_op_threads=3"]
+
+
+def test_the_local_cluster_signals_only_the_daemons_it_started(tmp_path):
+    from launch.slurm import local_cluster
+
+    # A pid file whose process is no longer slurmd (the pid recycled: here, pytest).
+    local_cluster.pid_file(tmp_path, "slurmd").write_text(f"{os.getpid()}\n")
+    assert local_cluster.running(tmp_path, "slurmd") is None
+    local_cluster.stop(tmp_path)  # must not signal this process
+    assert not local_cluster.pid_file(tmp_path, "slurmd").exists()
+
+
+def test_the_local_node_declares_the_cpus_asked_for_not_the_real_ones():
+    from launch.slurm import slurm_conf
+
+    slurmd_c = ("NodeName=vm CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 "
+                "ThreadsPerCore=1 RealMemory=24105\nUpTime=0-00:02:35\n")
+    node = slurm_conf.node_line(slurmd_c, 8)
+    assert node.startswith("NodeName=vm CPUs=8 ") and "RealMemory=24105" in node
+    conf = slurm_conf.slurm_conf(pathlib.Path("/tmp/x"), node, 6817, 6818)
+    # Without config_overrides slurmd would refuse a node of 8 CPUs on 2 cores.
+    assert "SlurmdParameters=config_overrides" in conf.splitlines()
+    assert "SlurmctldHost=vm" in conf.splitlines() and node in conf.splitlines()

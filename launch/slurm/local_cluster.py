@@ -37,6 +37,8 @@ import subprocess
 import sys
 import time
 
+from launch.slurm.slurm_conf import KILL_WAIT_S, node_line, slurm_conf
+
 DEFAULT_DIR = pathlib.Path("/tmp/tf-slurm")
 SYSTEM_CONF = pathlib.Path("/etc/slurm/slurm.conf")
 # The executables this cluster runs, and the Debian package of each.
@@ -99,62 +101,6 @@ def check_port(port: int, flag: str) -> None:
                 raise
             raise ClusterError(f"port {port} is in use (see: ss -ltnp 'sport = :{port}'): stop "
                                f"what listens there, or pass {flag} with a free port") from None
-
-
-def node_line(cpus: int) -> str:
-    """This machine as `slurmd -C` sees it, with `cpus` CPUs (one core each)."""
-    out = subprocess.run([which("slurmd") or "slurmd", "-C"], capture_output=True, text=True,
-                         check=True).stdout
-    fields = dict(f.split("=", 1) for f in out.split()[:-1] if "=" in f)  # less UpTime
-    return (f"NodeName={fields['NodeName']} CPUs={cpus} Boards=1 SocketsPerBoard=1 "
-            f"CoresPerSocket={cpus} ThreadsPerCore=1 RealMemory={fields['RealMemory']} "
-            "State=UNKNOWN")
-
-
-def slurm_conf(state: pathlib.Path, cpus: int, ctld_port: int, slurmd_port: int) -> str:
-    node = node_line(cpus)
-    host = node.split()[0].removeprefix("NodeName=")
-    return f"""\
-# Written by `python -m launch.slurm.local_cluster start`; rewritten at each start.
-ClusterName=tf-local
-SlurmctldHost={host}
-SlurmctldPort={ctld_port}
-SlurmdPort={slurmd_port}
-SlurmUser=root
-SlurmdUser=root
-AuthType=auth/munge
-# cred_expire: also how long a requeued job waits before it may start again
-# (SLURM default 120 s; short here, so that a requeue test need not wait).
-AuthInfo=socket={state}/munge/munge.socket.2,cred_expire=10
-StateSaveLocation={state}/slurmctld
-SlurmdSpoolDir={state}/slurmd
-SlurmctldPidFile={state}/run/slurmctld.pid
-SlurmdPidFile={state}/run/slurmd.pid
-SlurmctldLogFile={state}/log/slurmctld.log
-SlurmdLogFile={state}/log/slurmd.log
-JobCompType=jobcomp/filetxt
-JobCompLoc={state}/log/jobcomp.log
-# No cgroups: this may be a container. Processes are tracked by parent id.
-ProctrackType=proctrack/linuxproc
-TaskPlugin=task/none
-# CPUs are the consumable resource, not memory: tasks share the machine's RAM.
-SelectType=select/cons_tres
-SelectTypeParameters=CR_CPU
-# The node may declare more CPUs than it has (several tasks per core).
-SlurmdParameters=config_overrides
-ReturnToService=2
-# Look for jobs to start every 5 s (SLURM's default 60): a requeued job waits
-# for the next pass once it is eligible again.
-SchedulerParameters=sched_interval=5
-# A batch job may be requeued (scontrol requeue, or the job itself after a preemption).
-JobRequeue=1
-# Seconds between SIGTERM and SIGKILL when a job is cancelled, requeued or out of
-# time: how long a training task has to save its backup and leave (SLURM's
-# default is 30; a loaded 2-core machine took 18 s for a PS job of 3 tasks).
-KillWait=60
-{node}
-PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
-"""
 
 
 def pid_file(state: pathlib.Path, daemon: str) -> pathlib.Path:
@@ -238,14 +184,20 @@ def start(state: pathlib.Path, cpus: int, ctld_port: int, slurmd_port: int) -> N
     for sub in ("slurmctld", "slurmd", "run", "log"):
         (state / sub).mkdir(parents=True, exist_ok=True)
     conf = state / "slurm.conf"
-    conf.write_text(slurm_conf(state, cpus, ctld_port, slurmd_port))
+    slurmd_c = subprocess.run([which("slurmd") or "slurmd", "-C"], capture_output=True,
+                              text=True, check=True).stdout
+    conf.write_text(slurm_conf(state, node_line(slurmd_c, cpus), ctld_port, slurmd_port))
     if not SYSTEM_CONF.exists() and not SYSTEM_CONF.is_symlink():
         SYSTEM_CONF.parent.mkdir(parents=True, exist_ok=True)
         SYSTEM_CONF.symlink_to(conf)  # plain `sbatch` finds this cluster
-    start_munge(state)
-    spawn(state, "slurmctld", ["-D", "-f", str(conf)])
-    spawn(state, "slurmd", ["-D", "-f", str(conf)])
-    wait_for("the node idle", lambda: node_state(state) == "idle", state, "slurmd")
+    try:
+        start_munge(state)
+        spawn(state, "slurmctld", ["-D", "-f", str(conf)])
+        spawn(state, "slurmd", ["-D", "-f", str(conf)])
+        wait_for("the node idle", lambda: node_state(state) == "idle", state, "slurmd")
+    except ClusterError:
+        stop(state)  # what did start, so that the next `start` begins clean
+        raise
     print(f"SLURM cluster up: 1 node, {cpus} CPUs, state in {state}")
     print(f"export SLURM_CONF={conf}" if os.path.realpath(SYSTEM_CONF) != str(conf)
           else f"({SYSTEM_CONF} links to {conf})")
@@ -259,7 +211,7 @@ def stop(state: pathlib.Path) -> None:
         if jobs := _job_ids(env):
             print(f"cancelling jobs {' '.join(jobs)}")
             subprocess.run(["scancel", *jobs], env=env, capture_output=True)
-        deadline = time.monotonic() + STOP_GRACE_S + 30  # KillWait, then SIGKILL
+        deadline = time.monotonic() + KILL_WAIT_S + STOP_GRACE_S  # SIGTERM, SIGKILL, gone
         while _job_ids(env) and time.monotonic() < deadline:
             time.sleep(1)
     for daemon in reversed(DAEMONS):
