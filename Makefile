@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast bench local-cluster lint docs compat clean
+.PHONY: install train test test-fast bench local-cluster slurm-packages slurm-cluster \
+        slurm-cluster-stop lint docs compat clean
 
 install: $(STAMP)
 
@@ -37,6 +38,18 @@ WORKERS ?= 2
 PS      ?= 1
 local-cluster: install
 	$(PY) -m launch.inprocess --workers $(WORKERS) --ps $(PS) --config configs/mnist_ps.toml $(ARGS)
+
+# A one-node SLURM cluster on this machine (root; installs Debian's packages if
+# missing): then `sbatch launch/slurm/train.sbatch`. State and logs in SLURM_DIR.
+SLURM_DIR ?= /tmp/tf-slurm
+slurm-packages:
+	$(PYTHON) -m launch.slurm.local_cluster install
+
+slurm-cluster: install
+	$(PY) -m launch.slurm.local_cluster start --dir $(SLURM_DIR) $(ARGS)
+
+slurm-cluster-stop:
+	$(PYTHON) -m launch.slurm.local_cluster stop --dir $(SLURM_DIR)
 
 lint: install
 	$(PY) -m ruff check app launch tests examples

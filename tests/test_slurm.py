@@ -112,3 +112,114 @@ def test_sbatch_sends_every_task_sigterm_in_time_to_save_a_backup():
     # Not "B:TERM": that would signal the batch script alone, never the training tasks.
     assert signal_ in ("TERM", "15") and int(seconds) >= 120, options["--signal"]
     assert "--requeue" in options  # the same job id, so the same WORKDIR, after preemption
+
+
+def test_a_task_whose_port_is_not_its_ranks_is_an_error():
+    # Cyclic distribution: rank 1 runs on the second node, as its first task.
+    environment = {**env(1, "n[1-2]", "2(x2)"), "SLURM_NODEID": "1", "SLURM_LOCALID": "0"}
+    with pytest.raises(slurm.SlurmError, match="listens on n2:2222, but rank 1's address in "
+                       "node order is n1:2223: run srun with --distribution=block"):
+        slurm.tf_config(environment, num_ps=0, port=2222)
+
+
+def test_each_task_of_a_node_listens_on_the_base_port_plus_its_local_id():
+    for rank, (node, local) in enumerate([(0, 0), (0, 1), (0, 2), (1, 0)]):
+        environment = {**env(rank, "n[1-2]", "3,1"), "SLURM_NODEID": str(node),
+                       "SLURM_LOCALID": str(local)}
+        config = slurm.tf_config(environment, num_ps=1, port=2222)
+        assert config["cluster"] == {"chief": ["n1:2222"], "ps": ["n1:2223"],
+                                     "worker": ["n1:2224", "n2:2222"]}
+
+
+def fake_scontrol(tmp_path: pathlib.Path, monkeypatch) -> pathlib.Path:
+    """An `scontrol` on PATH that records its arguments; the file it writes."""
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(f"#!/bin/bash\necho \"$@\" >> {calls}\n")
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "42")
+    return calls
+
+
+def test_a_preempted_job_requeues_itself(tmp_path, monkeypatch, capsys):
+    from app.preemption import EXIT_CODE
+    from launch.slurm import requeue
+
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    assert requeue.main([str(EXIT_CODE)]) == EXIT_CODE
+    assert calls.read_text() == "requeue 42\n"
+    assert "job 42 preempted, backup saved" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("status", [0, 1, 2, 3])
+def test_any_other_exit_is_passed_on_without_a_requeue(tmp_path, monkeypatch, status):
+    from launch.slurm import requeue
+
+    calls = fake_scontrol(tmp_path, monkeypatch)
+    assert requeue.main([str(status)]) == status
+    assert not calls.exists()
+
+
+def test_the_local_cluster_refuses_to_start_without_root(tmp_path, monkeypatch, capsys):
+    from launch.slurm import local_cluster
+
+    monkeypatch.setattr(local_cluster.os, "geteuid", lambda: 1000)
+    assert local_cluster.main(["start", "--dir", str(tmp_path)]) == 2
+    assert "error: the local SLURM cluster needs root" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # nothing written, nothing started
+
+
+def test_the_local_cluster_names_the_missing_packages_without_apt(monkeypatch):
+    from launch.slurm import local_cluster
+
+    monkeypatch.setattr(local_cluster.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(local_cluster, "which", lambda name: None)
+    assert local_cluster.missing_prerequisite() == (
+        "SLURM's packages munge slurmctld slurmd slurm-client are not installed and there is "
+        "no apt-get to install them: install them with this system's package manager")
+
+
+def test_a_port_in_use_is_named_with_the_flag_that_moves_it():
+    import socket
+
+    from launch.slurm import local_cluster
+
+    with socket.socket() as listener:
+        listener.bind(("", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        with pytest.raises(local_cluster.ClusterError,
+                           match=f"port {port} is in use .* pass --ctld-port with a free port"):
+            local_cluster.check_port(port, "--ctld-port")
+
+
+def test_thread_pools_follow_the_tasks_cpus_unless_set():
+    config = slurm.tf_config(env(0), num_ps=1, port=2222)  # 2 workers
+    cpus = {**env(0), "SLURM_CPUS_PER_TASK": "2"}
+    assert slurm.thread_settings(cpus, config, []) == [
+        "--set", "runtime.inter_op_threads=3", "--set", "runtime.intra_op_threads=2"]
+    assert slurm.thread_settings(cpus, config, ["--set", "runtime.intra_op_threads=1"]) == [
+        "--set", "runtime.inter_op_threads=3"]
+
+
+def test_the_local_cluster_signals_only_the_daemons_it_started(tmp_path):
+    from launch.slurm import local_cluster
+
+    # A pid file whose process is no longer slurmd (the pid recycled: here, pytest).
+    local_cluster.pid_file(tmp_path, "slurmd").write_text(f"{os.getpid()}\n")
+    assert local_cluster.running(tmp_path, "slurmd") is None
+    local_cluster.stop(tmp_path)  # must not signal this process
+    assert not local_cluster.pid_file(tmp_path, "slurmd").exists()
+
+
+def test_the_local_node_declares_the_cpus_asked_for_not_the_real_ones():
+    from launch.slurm import slurm_conf
+
+    slurmd_c = ("NodeName=vm CPUs=2 Boards=1 SocketsPerBoard=1 CoresPerSocket=2 "
+                "ThreadsPerCore=1 RealMemory=24105\nUpTime=0-00:02:35\n")
+    node = slurm_conf.node_line(slurmd_c, 8)
+    assert node.startswith("NodeName=vm CPUs=8 ") and "RealMemory=24105" in node
+    conf = slurm_conf.slurm_conf(pathlib.Path("/tmp/x"), node, 6817, 6818)
+    # Without config_overrides slurmd would refuse a node of 8 CPUs on 2 cores.
+    assert "SlurmdParameters=config_overrides" in conf.splitlines()
+    assert "SlurmctldHost=vm" in conf.splitlines() and node in conf.splitlines()

@@ -1,9 +1,13 @@
 """`python -m launch.slurm`: turn one task of a SLURM job step into a TF_CONFIG task.
 
-Run under `srun`, one task per node (see `launch/slurm/train.sbatch`). From
-SLURM's environment each task works out every task's address (in rank order,
-SLURM's block distribution) and its own role, sets TF_CONFIG and becomes
-`python -m app.train` with the remaining arguments:
+Run under `srun`, one task per node or several (see `launch/slurm/train.sbatch`).
+From SLURM's environment each task works out every task's address and its own
+role, sets TF_CONFIG and becomes `python -m app.train` with the remaining
+arguments. The nodes come from SLURM_STEP_NODELIST and how many tasks each
+runs from SLURM_STEP_TASKS_PER_NODE (the job's variables outside a step); the
+tasks of a node listen on `--port` + their SLURM_LOCALID. Ranks are numbered
+node by node (SLURM's block distribution, srun's default), so rank order is
+address order:
 
 - with `--ps N` (N > 0): rank 0 is the chief, ranks 1..N the ps tasks, the
   rest workers (parameter-server training);
@@ -63,6 +67,22 @@ def _var(env: Mapping[str, str], *names: str) -> str:
                      "(see launch/slurm/train.sbatch)")
 
 
+def _check_block_distribution(env: Mapping[str, str], rank: int, addresses: list[str],
+                              hosts: list[str], port: int) -> None:
+    """This task's own address, from its node and local id, must be its rank's.
+
+    Under another distribution (`srun -m cyclic`) rank r is not the r-th address
+    in node order, and two tasks would claim one port."""
+    node, local = env.get("SLURM_NODEID"), env.get("SLURM_LOCALID")
+    if node is None or local is None or not 0 <= int(node) < len(hosts):
+        return  # an older SLURM, or a hand-made environment: trust the rank
+    own = f"{hosts[int(node)]}:{port + int(local)}"
+    if rank < len(addresses) and addresses[rank] != own:
+        raise SlurmError(f"SLURM_PROCID {rank} on node {node} with SLURM_LOCALID {local} "
+                         f"listens on {own}, but rank {rank}'s address in node order is "
+                         f"{addresses[rank]}: run srun with --distribution=block")
+
+
 def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
     """The TF_CONFIG of the SLURM task described by `env`."""
     rank = int(_var(env, "SLURM_PROCID"))
@@ -70,9 +90,11 @@ def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
     counts = tasks_per_node(_var(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
     if len(counts) != len(hosts):
         raise SlurmError(f"{len(hosts)} nodes but tasks-per-node lists {len(counts)}")
-    # Tasks sharing a node get consecutive ports.
+    # Tasks sharing a node get consecutive ports: the i-th listens on port + i, i
+    # being its SLURM_LOCALID.
     addresses = [f"{host}:{port + i}" for host, n in zip(hosts, counts, strict=True)
                  for i in range(n)]
+    _check_block_distribution(env, rank, addresses, hosts, port)
     if num_ps and len(addresses) < num_ps + 2:
         raise SlurmError(f"--ps {num_ps} needs at least {num_ps + 2} SLURM tasks (a chief, "
                          f"the ps tasks and a worker), the step has {len(addresses)}; "
@@ -90,6 +112,21 @@ def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
     raise SlurmError(f"SLURM_PROCID {rank} is outside the step's {len(addresses)} tasks")
 
 
+def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str]) -> list[str]:
+    """`--set` thread pools as launch.local chooses them, unless the arguments do.
+
+    Without cgroups a task sees every core of its node and TensorFlow would size
+    its op pool for all of them, in each of the node's tasks: one op's threads
+    are the task's SLURM_CPUS_PER_TASK instead. And fewer than workers + 1 ops
+    at once can deadlock a ps serving every worker (as in launch.local)."""
+    settings = {"runtime.inter_op_threads": len(config["cluster"].get("worker", [])) + 1}
+    if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
+        settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
+    return [arg for key, value in settings.items()
+            if not any(a.startswith(key + "=") for a in train_args)
+            for arg in ("--set", f"{key}={value}")]
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
@@ -99,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0],
                                      epilog="Other arguments go to app.train.")
     parser.add_argument("--ps", type=int, default=1, help="parameter servers (0: synchronous)")
-    parser.add_argument("--port", type=int, default=2222, help="gRPC port (per node)")
+    parser.add_argument("--port", type=int, default=2222,
+                        help="gRPC port of each node's first task; the others' follow it")
     parser.add_argument("--dry-run", action="store_true",
                         help="print TF_CONFIG and the command instead of running it")
     args, train_args = parser.parse_known_args(argv)
@@ -108,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     except SlurmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "app.train", *train_args]
+    command = [sys.executable, "-m", "app.train",
+               *thread_settings(os.environ, config, train_args), *train_args]
     if args.dry_run:
         print(json.dumps({"TF_CONFIG": config, "command": command[1:]}))
         return 0
