@@ -273,6 +273,12 @@ class AsyncPS(SingleHost):
         self._local.set_weights(parameter_server.gather_weights(model))
         return self._local
 
+    def finish(self, outdir, workdir):
+        super().finish(outdir, workdir)
+        # Last, after metrics.json: the ps and worker tasks stop only once told, as a
+        # chief that merely went away is waited for (parameter_server.serve).
+        parameter_server.tell_finished(self.cluster)
+
     def metrics(self, model):
         figures = {"ps_bytes": self.placement.ps_bytes, "ps_balance": self.placement.balance,
                    "ps_partitioner": self.config.ps.partitioner, "mode": self.config.ps.mode,

@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             # TensorFlow starts here, after all checks.
             from app import parameter_server, preemption
 
-            preemption.outlive_the_chief()  # SIGTERM: serve until the chief has saved and gone
-            parameter_server.serve(cluster, config.runtime)  # returns when the chief is done
+            stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
+            # Returns once the chief has finished; raises TaskLost (a chief that does not
+            # come back) or Preempted (SIGTERM), exit codes schedulers retry.
+            parameter_server.serve(cluster, config.runtime,
+                                   wait_s=config.cluster.connect_timeout_s, stopping=stopping)
             return 0
         from app import task as tasks  # TensorFlow starts here (and the task's own code).
 

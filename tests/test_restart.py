@@ -8,6 +8,7 @@ import re
 
 import pytest
 
+from app.cluster import TaskLost
 from tests import launching
 
 pytestmark = pytest.mark.slow
@@ -58,7 +59,7 @@ def test_a_killed_ps_fails_the_chief_fast_and_the_relaunch_resumes(tmp_path):
     before = output[:output.index("[launch] restart 1 of 1")]
     assert re.search(r"error: parameter server ps:1 \(localhost:\d+\) became unreachable",
                      before), before[-3000:]
-    assert "[launch] chief:0 exited with 3" in before
+    assert f"[launch] chief:0 exited with {TaskLost.exit_code}" in before
     after = check_resumed_in_epoch_2(output, metrics)
     # checkpoint.every_steps = 0: the epoch is redone from its start.
     assert launching.steps_reported(after, "chief:0")[0] == STEPS + 1
