@@ -158,8 +158,9 @@ class SingleHost:
 
 def _stopped(workdir: pathlib.Path) -> str:
     """What a lost task's error tells the user to do."""
-    return ("training stopped. Restart the whole job (launch.local --max-restarts, or the "
-            f"cluster's restart policy): it resumes from {workdir / BACKUP_DIR}")
+    return (f"training stopped (exit code {TaskLost.exit_code}). Restart it with the lost task "
+            "(launch.local --max-restarts, or the cluster's restart policy; both retry "
+            f"{TaskLost.exit_code}): it resumes from {workdir / BACKUP_DIR}")
 
 
 class MultiWorker(SingleHost):

@@ -57,8 +57,11 @@ def test_a_killed_chief_is_restarted_alone_and_resumes_on_the_live_servers(tmp_p
 
 
 def test_a_killed_ps_is_restarted_alone_and_the_chief_restarts_from_the_backup(tmp_path):
-    # The ps's variables die with it: the chief fails (TaskLost) and is restarted too.
+    # The ps's variables die with it: the chief fails fast (TaskLost, naming the ps) and
+    # is restarted too.
     output, metrics = run_and_kill(tmp_path, "ps:1", STEPS + 20, 2)
+    assert re.search(r"error: parameter server ps:1 \(localhost:\d+\) became unreachable",
+                     output), output[-3000:]
     assert f"[launch] chief:0 exited with {TaskLost.exit_code}" in output
     restarted = re.findall(r"\[launch\] restart \d of 2: (\S+) alone", output)
     assert sorted(restarted) == ["chief:0", "ps:1"], restarted
@@ -68,6 +71,9 @@ def test_a_killed_ps_is_restarted_alone_and_the_chief_restarts_from_the_backup(t
     # checkpoint.every_steps = 0: the epoch is redone from its start, from the backup.
     assert launching.steps_reported(after, "chief:0")[0] == STEPS + 1
     assert metrics["steps"] == 2 * STEPS
+    # The same sharding after the restart: the placement report is logged again, unchanged.
+    reports = re.findall(r"\[chief:0\] INFO   ps:(\d)\s+(\S+ \S+)", output)
+    assert len(reports) == 4 and reports[:2] == reports[2:], reports
 
 
 def test_a_killed_worker_is_restarted_alone_and_the_coordinator_takes_it_back(tmp_path):
