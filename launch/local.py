@@ -19,7 +19,7 @@ relaunching.
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
     python -m launch.local --workers 2 --ps 1 --evaluator --config configs/mnist_ps.toml
-    python -m launch.local --workers 2 --ps 1 --restart task --max-restarts 3
+    python -m launch.local --workers 2 --ps 1 --restart task --config configs/mnist_ps.toml
 
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
 where every task has a link of its own (launch/network.py says how, and what
@@ -47,6 +47,7 @@ from launch import network
 from launch.inprocess import cluster_spec
 from launch.tasks import NOT_RETRIED, PREEMPTED, Task, announce, exit_text, grace, restart_alone
 
+TASK_RESTARTS = 3  # --max-restarts under --restart task unless given
 # Set by SIGTERM to the launcher itself: the scheduler or the machine is stopping
 # the whole job. Every task is then sent SIGTERM too (training tasks save a backup,
 # app/preemption.py) and nothing is relaunched.
@@ -212,15 +213,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameter servers (0: synchronous training, workers only)")
     parser.add_argument("--evaluator", action="store_true",
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
-    parser.add_argument("--max-restarts", type=int, default=0,
+    parser.add_argument("--max-restarts", type=int,
                         help="relaunch up to N times after a failure (any exit code but 2, "
                              "a configuration or storage error); training resumes from the "
-                             "workdir's backup")
+                             "workdir's backup. Default: 0 with --restart job, 3 with "
+                             "--restart task")
     parser.add_argument("--restart", choices=("job", "task"), default="job",
                         help="what a failure relaunches: every task (job, like torchrun; the "
                              "default) or the failed task alone, with its TF_CONFIG and port "
-                             "(task, as Kubernetes restarts one pod; needs --ps 1 or more); "
-                             "each task relaunched counts against --max-restarts")
+                             "(task, as Kubernetes restarts one pod; needs --ps 1 or more), "
+                             "each task up to --max-restarts times")
     parser.add_argument("--link", metavar="RATE[,DELAY]",
                         help="give every task a link of its own, RATE each way plus DELAY "
                              "(e.g. 1gbit, 10gbit,0.1ms), in a private network namespace; "
@@ -232,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
                              "a relaunch after a failure runs without it")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
+    if args.max_restarts is None:  # naming a restart policy asks for restarts
+        args.max_restarts = TASK_RESTARTS if args.restart == "task" else 0
     if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
         parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
     if args.restart == "task" and not args.ps:

@@ -95,12 +95,15 @@ def grace(task: Task) -> float:
 
 def restart_alone(tasks: list[Task], lead: Task, max_restarts: int,
                   terminated: threading.Event) -> int:
-    """Watch every task; relaunch each that fails, alone, up to `max_restarts` in
-    all; the exit code: the lead's 0, or the code of the failure not relaunched.
+    """Watch every task; relaunch each that fails, alone, up to `max_restarts`
+    times per task (Kubernetes counts a pod's restarts so); the exit code: the
+    lead's 0, or the code of the failure not relaunched.
 
-    A task that exits 0 (a ps or worker the finished chief let go) is left be.
+    Per task, not in all: a lost ps takes the chief with it (exit 203), and one
+    restart each brings both back. A task that exits 0 (a ps or worker the
+    finished chief let go) is left be.
     """
-    restarts = 0
+    restarts = dict.fromkeys((t.label for t in tasks), 0)
     while (code := lead.process.poll()) != 0 and not terminated.is_set():
         failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
         if failed is None:
@@ -108,13 +111,13 @@ def restart_alone(tasks: list[Task], lead: Task, max_restarts: int,
             continue
         code = failed.finish()
         announce(f"{failed.label} exited with {exit_text(code)}")
-        if code in NOT_RETRIED or restarts == max_restarts:
+        if code in NOT_RETRIED or restarts[failed.label] == max_restarts:
             why = "not retried" if code in NOT_RETRIED else "no restart left"
             announce(f"{why}; stopping the other tasks")
             stop_all(tasks, first=lead)
             return max(code, 0) or 1  # a death by signal (-9) is 1
-        restarts += 1
-        announce(f"restart {restarts} of {max_restarts}: {failed.label} alone, "
+        restarts[failed.label] += 1
+        announce(f"restart {restarts[failed.label]} of {max_restarts}: {failed.label} alone, "
                  "with its TF_CONFIG and port")
         tasks[tasks.index(failed)] = again = failed.again()
         lead = again if failed is lead else lead

@@ -131,15 +131,17 @@ class FakeTask:
         return self.returncode
 
 
-@pytest.mark.parametrize("max_restarts, result, started", [
+@pytest.mark.parametrize("ps_codes, max_restarts, result, started", [
     # The ps is lost; the chief fails with it (203); both are relaunched, alone.
-    (2, 0, ["ps:1", "chief:0", "ps:1", "chief:0"]),
-    # One restart: the second failure stops the job with its code.
-    (1, LOST, ["ps:1", "chief:0", "ps:1"]),
+    ([-9, None], 1, 0, ["ps:1", "chief:0", "ps:1", "chief:0"]),
+    # The ps fails again: its second failure is one more than it may have.
+    ([-9, -9, None], 1, 1, ["ps:1", "chief:0", "ps:1"]),
+    ([-9, -9, None], 2, 0, ["ps:1", "chief:0", "ps:1", "ps:1", "chief:0"]),
 ])
-def test_restart_alone_relaunches_only_the_failed_tasks(max_restarts, result, started):
+def test_restart_alone_relaunches_each_failed_task_up_to_the_limit(ps_codes, max_restarts,
+                                                                  result, started):
     seen = []
-    ps = FakeTask("ps:1", [-9, None], seen)
+    ps = FakeTask("ps:1", ps_codes, seen)
     chief = FakeTask("chief:0", [LOST, 0], seen)
     stopped = threading.Event()
     assert tasks.restart_alone([ps, chief], chief, max_restarts, stopped) == result
