@@ -104,7 +104,10 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
 def finished_marker(address: str) -> str:
     """The file that tells the ps or worker task at `address` that the chief has
     finished: on that task's own disk, named after its address (one per task when
-    several share a machine)."""
+    several share a machine). The chief names the path, in its own temp dir: a
+    task whose TMPDIR differs never sees the mark, and exits 203 once the chief
+    has been gone `cluster.connect_timeout_s` (a Kubernetes job has succeeded by
+    then, and its pods are removed)."""
     return os.path.join(tempfile.gettempdir(),
                         "tf-chief-finished-" + re.sub(r"[^A-Za-z0-9_.-]", "_", address))
 

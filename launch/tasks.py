@@ -104,11 +104,15 @@ def restart_alone(tasks: list[Task], lead: Task, max_restarts: int,
     finished chief let go) is left be.
     """
     restarts = dict.fromkeys((t.label for t in tasks), 0)
-    while (code := lead.process.poll()) != 0 and not terminated.is_set():
-        failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
-        if failed is None:
-            time.sleep(0.5)
-            continue
+    while lead.process.poll() != 0 and not terminated.is_set():
+        try:
+            failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
+            if failed is None:
+                time.sleep(0.5)
+                continue
+        except KeyboardInterrupt:
+            stop_all(tasks, first=lead)
+            raise
         code = failed.finish()
         announce(f"{failed.label} exited with {exit_text(code)}")
         if code in NOT_RETRIED or restarts[failed.label] == max_restarts:
