@@ -43,6 +43,7 @@ def test_a_killed_chief_is_restarted_alone_and_resumes_on_the_live_servers(tmp_p
     killed_at = STEPS + 45
     output, metrics = run_and_kill(tmp_path, "chief:0", killed_at,
                                    "--set", "checkpoint.every_steps=10")
+    assert "[launch] chief:0 exited with -9" in output
     assert "[launch] restart 1 of 3: chief:0 alone" in output
     assert [started(output, t) for t in ("chief:0", "worker:0", "ps:0", "ps:1")] == [2, 1, 1, 1]
     # The servers waited for the chief instead of exiting, and served it again.
