@@ -10,8 +10,9 @@ early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
 after any exit code but 2 (a configuration or storage error): 203 is a lost
 task, 204 a preemption whose backup was saved (app/preemption.py). With
-`--restart task` only the failed task is relaunched, as Kubernetes restarts one
-pod (launch/tasks.py), and the others keep running. SIGTERM to
+`--restart task` only the failed task is relaunched (each up to
+`--max-restarts` times, 3 unless given), as Kubernetes restarts one pod
+(launch/tasks.py), and the others keep running. SIGTERM to
 the launcher itself (a scheduler stopping the job) goes to every task, as if
 each had been preempted, and the launcher exits with the lead's code, without
 relaunching.
@@ -147,7 +148,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     code = lead.finish()
     if failed is not None and failed is not lead:
         announce(f"{lead.label} exited with {exit_text(code)}")
-        # The failed task's reason (a preempted worker's 4); a death by signal is 1.
+        # The failed task's reason (a preempted worker's 204); a death by signal is 1.
         code = max(failed.process.returncode, 0) or 1
     return code, failed is not None
 
