@@ -35,7 +35,11 @@ class ClusterError(ConfigError):
 class TaskLost(RuntimeError):
     """A task the run depends on went away mid-run; a restart resumes from the backup."""
 
-    exit_code = 3  # not 2: launchers retry this one, not a configuration mistake
+    # Retried by launchers, unlike 2 (a configuration mistake). Above 128 because
+    # Kubeflow's `restartPolicy: ExitCode` restarts a pod only after an exit code in
+    # 128..255 (1..127 fail the job for good); 203, not 129..192, which a shell
+    # reports for a death by signal (128 + N).
+    exit_code = 203
 
 
 @dataclasses.dataclass(frozen=True)

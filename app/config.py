@@ -148,10 +148,12 @@ class RuntimeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """How long a parameter-server chief waits for its cluster."""
+    """How long the tasks of a parameter-server cluster wait for each other."""
 
     # Seconds the chief waits for every ps and worker task to accept
-    # connections before it stops with exit code 2, naming the missing ones.
+    # connections before it stops with exit code 2, naming the missing ones;
+    # and that a ps or worker task waits for a chief that left without
+    # finishing to come back, before it exits 203 to be restarted.
     connect_timeout_s: int = field(120, above=0)
 
 

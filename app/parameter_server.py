@@ -2,21 +2,27 @@
 
 `create` gives the chief a `ParameterServerStrategy` with a variable
 partitioner, after checking that every `ps` and `worker` task answers within
-`cluster.connect_timeout_s`. `placement` reports which PS task holds how many
-bytes; `app.plan` predicts the same without a cluster.
+`cluster.connect_timeout_s`. `serve` runs a ps or worker task until the chief
+says, through `tell_finished`, that it has finished. `placement` reports which
+PS task holds how many bytes; `app.plan` predicts the same without a cluster.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import os
+import re
+import tempfile
 import time
 from collections.abc import Iterable
 
 import numpy as np
 import tensorflow as tf
 
-from app.cluster import Cluster, reachable, wait_for_tasks
+from app import preemption
+from app.cluster import Cluster, TaskLost, reachable, wait_for_tasks
 from app.config import ConfigError, PSConfig, RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -44,32 +50,91 @@ def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distr
         cluster.resolver(), variable_partitioner=partitioner(ps, cluster.num_ps))
 
 
-def serve(cluster: Cluster, runtime: RuntimeConfig, poll_s: float = 1.0,
-          grace_s: float = 5.0) -> None:
-    """Serve this ps or worker task until the chief has come and gone.
+def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
+          stopping: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> None:
+    """Serve this ps or worker task until the chief has finished.
 
     The chief connects to the cluster at its own address, so a task can see it
-    arrive and leave; it returns once the chief has been unreachable for
-    `grace_s` after having been seen (TF's `server.join()` never returns).
+    arrive and leave (TF's `server.join()` never returns). Leaving is not
+    finishing: a chief that crashed or was killed comes back (a Kubernetes pod
+    restart, `launch.local --restart task`) and needs its ps and workers. So a
+    task returns only once the chief, gone, has left the mark `tell_finished`
+    writes on this task's own disk through TF (no shared storage needed). A
+    chief gone without it is waited for `wait_s`; then `TaskLost` (exit 203, a
+    code schedulers retry): the restarted task serves the chief when it comes.
+    After SIGTERM (`stopping()`), the task stops once the chief has gone:
+    `Preempted` (exit 204), retried as the chief's own exit.
     """
+    address = cluster.jobs[cluster.task_type][cluster.task_index]
+    marker = finished_marker(address)
+    with contextlib.suppress(FileNotFoundError):  # an earlier job's, on this task's address
+        os.remove(marker)
     start_server(cluster.resolver().cluster_spec(), cluster.task_type, cluster.task_index,
                  protocol=cluster.rpc_layer, inter_op_threads=runtime.inter_op_threads,
                  intra_op_threads=runtime.intra_op_threads)
     chief = cluster.jobs["chief"][0]
-    log.info("serving at %s; waiting for the chief at %s",
-             cluster.jobs[cluster.task_type][cluster.task_index], chief)
+    log.info("serving at %s; waiting for the chief at %s", address, chief)
     seen, gone_since = False, None
     while True:
         if reachable(chief):
-            if not seen:
+            if not seen or gone_since is not None:
                 log.info("the chief is up")
             seen, gone_since = True, None
+        elif stopping():
+            raise preemption.serving_preempted(cluster.label)
+        elif seen and os.path.exists(marker):
+            os.remove(marker)
+            log.info("the chief has finished; stopping")
+            return
         elif seen:
-            gone_since = gone_since or time.monotonic()
-            if time.monotonic() - gone_since >= grace_s:
-                log.info("the chief has finished; stopping")
-                return
+            if gone_since is None:
+                gone_since = time.monotonic()
+                log.info("the chief left without finishing; waiting up to %g s for it to "
+                         "come back", wait_s)
+            elif time.monotonic() - gone_since >= wait_s:
+                raise TaskLost(
+                    f"the chief ({chief}) left without finishing and has not come back within "
+                    f"cluster.connect_timeout_s = {wait_s:g} s; {cluster.label} stops with "
+                    f"exit code {TaskLost.exit_code}, which launchers and Kubernetes' "
+                    "restartPolicy: ExitCode retry: restarted, it serves the chief again")
         time.sleep(poll_s)
+
+
+def finished_marker(address: str) -> str:
+    """The file that tells the ps or worker task at `address` that the chief has
+    finished: on that task's own disk, named after its address (one per task when
+    several share a machine). The chief names the path, in its own temp dir: a
+    task whose TMPDIR differs never sees the mark, and exits 203 once the chief
+    has been gone `cluster.connect_timeout_s` (a Kubernetes job has succeeded by
+    then, and its pods are removed)."""
+    return os.path.join(tempfile.gettempdir(),
+                        "tf-chief-finished-" + re.sub(r"[^A-Za-z0-9_.-]", "_", address))
+
+
+def tell_finished(cluster: Cluster) -> None:
+    """From the chief, once training is done: leave `finished_marker` on every ps and
+    worker task, written by TF on that task's device, so that `serve` returns.
+
+    A task that is down is skipped (logged): restarted, it serves until its
+    scheduler or launcher stops it, as the chief will not come back.
+    """
+    for job in ("ps", "worker"):
+        for index, address in enumerate(cluster.jobs.get(job, ())):
+            marker = finished_marker(address)
+            if not reachable(address):  # TF would wait for it to come back
+                log.warning("could not tell %s:%d (%s) that training finished: it is down",
+                            job, index, address)
+                continue
+            try:
+                with tf.device(f"/job:{job}/replica:0/task:{index}/device:CPU:0"):
+                    tf.io.write_file(marker, "finished")
+                    # Read back: the write has happened on that task before the chief exits.
+                    written = tf.io.read_file(marker).numpy()
+            except tf.errors.OpError as e:
+                written = e.message.splitlines()[0]
+            if written != b"finished":
+                log.warning("could not tell %s:%d (%s) that training finished: %s", job, index,
+                            address, written)
 
 
 def start_server(spec: tf.train.ClusterSpec, job: str, index: int, protocol: str = "grpc",

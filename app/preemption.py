@@ -8,8 +8,9 @@ backups themselves are written by `callbacks.Backup` (Keras fit) and
 `sync_ps.SyncBackup` (ps.mode = sync); this module holds the signal side.
 
 Exit codes of `python -m app.train`: 0 done, 2 a configuration or storage
-mistake (retrying cannot help), 3 a lost task, 4 preempted with the backup
-saved. Launchers retry 3 and 4.
+mistake (retrying cannot help), 203 a lost task (`cluster.TaskLost`), 204
+preempted with the backup saved. Launchers retry 203 and 204, and so does
+Kubeflow's `restartPolicy: ExitCode` (it retries 128..255 only).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from app.cluster import TaskLost
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE = 4
+EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see cluster.TaskLost
 
 
 class Preempted(TaskLost):
@@ -68,7 +69,7 @@ class Sigterm:
             self._installed = False
 
     def ignore(self) -> None:
-        """After the backup: the process is on its way out with exit code 4, and a
+        """After the backup: the process is on its way out with `EXIT_CODE`, and a
         second SIGTERM (a launcher stopping the job's other tasks) must not turn
         that into a death by signal."""
         if self._installed:
@@ -135,18 +136,29 @@ def close_mwms_handler(handler) -> None:
             stop()
 
 
-def outlive_the_chief() -> None:
-    """For the ps and worker tasks of a parameter-server cluster: ignore SIGTERM.
+def outlive_the_chief() -> Callable[[], bool]:
+    """For the ps and worker tasks of a parameter-server cluster: defer SIGTERM;
+    returns whether it came.
 
     These tasks stop by themselves once the chief has gone
     (`parameter_server.serve`). When a whole job is asked to stop (SLURM's
     time limit, a node drain), dying at once would take with them the
     variables (ps) and the steps in flight (workers) that the chief's backup
-    needs; the chief saves, exits, and they follow. A task that stays stuck
-    is killed at the end of the grace period, as any other.
+    needs; the chief saves, exits, and they follow with `EXIT_CODE`, so that
+    a scheduler restarts them with it. A task that stays stuck is killed at
+    the end of the grace period, as any other.
     """
-    signal.signal(signal.SIGTERM, _deferred)
+    requested = threading.Event()
+
+    def deferred(signum, frame) -> None:
+        requested.set()
+        log.info("SIGTERM: serving until the chief has saved its backup and left")
+
+    signal.signal(signal.SIGTERM, deferred)
+    return requested.is_set
 
 
-def _deferred(signum, frame) -> None:
-    log.info("SIGTERM: serving until the chief has saved its backup and left")
+def serving_preempted(label: str) -> Preempted:
+    return Preempted(f"preempted (SIGTERM): the chief has left, and {label} stops with it "
+                     f"(exit code {EXIT_CODE}); run the job again to resume from the chief's "
+                     "backup")

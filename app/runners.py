@@ -160,8 +160,9 @@ class SingleHost:
 
 def _stopped(workdir: pathlib.Path) -> str:
     """What a lost task's error tells the user to do."""
-    return ("training stopped. Restart the whole job (launch.local --max-restarts, or the "
-            f"cluster's restart policy): it resumes from {workdir / BACKUP_DIR}")
+    return (f"training stopped (exit code {TaskLost.exit_code}). Restart it with the lost task "
+            "(launch.local --max-restarts, or the cluster's restart policy; both retry "
+            f"{TaskLost.exit_code}): it resumes from {workdir / BACKUP_DIR}")
 
 
 class MultiWorker(SingleHost):
@@ -293,6 +294,12 @@ class AsyncPS(SingleHost):
             args, kwargs = tf.nest.map_structure(_blank, spec)
             local(*args, **{**kwargs, "training": False})  # no batch statistics updated
         return local
+
+    def finish(self, outdir, workdir):
+        super().finish(outdir, workdir)
+        # Last, after metrics.json: the ps and worker tasks stop only once told, as a
+        # chief that merely went away is waited for (parameter_server.serve).
+        parameter_server.tell_finished(self.cluster)
 
     def metrics(self, model):
         figures = {"ps_bytes": self.placement.ps_bytes, "ps_balance": self.placement.balance,

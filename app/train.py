@@ -13,6 +13,7 @@ import logging
 import os
 import pathlib
 import sys
+import typing
 
 # Before TensorFlow is imported: its C++ INFO lines would bury the progress bar.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
@@ -60,6 +61,20 @@ def role(cluster: clusters.Cluster | None) -> str:
     return "train"
 
 
+def exit_now(code: int) -> typing.NoReturn:
+    """End a serving task at once (os._exit), its streams flushed.
+
+    Its TF server cannot be stopped, and at the interpreter's exit the server's
+    threads can hold the process up: a ps that had served a chief killed
+    earlier outlived "the chief has finished" by more than 15 s, until SIGTERM.
+    A serving task has nothing left to save.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
@@ -86,9 +101,17 @@ def main(argv: list[str] | None = None) -> int:
             # TensorFlow starts here, after all checks.
             from app import parameter_server, preemption
 
-            preemption.outlive_the_chief()  # SIGTERM: serve until the chief has saved and gone
-            parameter_server.serve(cluster, config.runtime)  # returns when the chief is done
-            return 0
+            stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
+            # Returns once the chief has finished; raises TaskLost (a chief that does not
+            # come back) or Preempted (SIGTERM), exit codes schedulers retry.
+            try:
+                parameter_server.serve(cluster, config.runtime,
+                                       wait_s=config.cluster.connect_timeout_s,
+                                       stopping=stopping)
+            except clusters.TaskLost as e:
+                print(f"error: {e}", file=sys.stderr)
+                exit_now(e.exit_code)
+            exit_now(0)
         from app import task as tasks  # TensorFlow starts here (and the task's own code).
 
         task, config = tasks.create(config)

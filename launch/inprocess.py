@@ -11,6 +11,8 @@ live until the process exits (TensorFlow cannot stop them).
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import os
 import sys
@@ -43,6 +45,17 @@ def start_servers(spec: dict[str, list[str]]) -> None:
     for job in ("ps", "worker"):
         for index in range(len(spec[job])):
             start_server(cluster, job, index)
+    # The chief marks each server it has finished with (parameter_server.tell_finished);
+    # nobody here serves, and so nobody would remove the marks.
+    atexit.register(remove_finished_markers, [a for job in ("ps", "worker") for a in spec[job]])
+
+
+def remove_finished_markers(addresses: list[str]) -> None:
+    from app.parameter_server import finished_marker
+
+    for address in addresses:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(finished_marker(address))
 
 
 def become_chief(spec: dict[str, list[str]]) -> None:

@@ -8,8 +8,11 @@ exit code of the lead task: the chief, or worker 0 when there are no ps
 when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
-after any exit code but 2 (a configuration or storage error): 3 is a lost
-task, 4 a preemption whose backup was saved (app/preemption.py). SIGTERM to
+after any exit code but 2 (a configuration or storage error): 203 is a lost
+task, 204 a preemption whose backup was saved (app/preemption.py). With
+`--restart task` only the failed task is relaunched (each up to
+`--max-restarts` times, 3 unless given), as Kubernetes restarts one pod
+(launch/tasks.py), and the others keep running. SIGTERM to
 the launcher itself (a scheduler stopping the job) goes to every task, as if
 each had been preempted, and the launcher exits with the lead's code, without
 relaunching.
@@ -17,6 +20,7 @@ relaunching.
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
     python -m launch.local --workers 2 --ps 1 --evaluator --config configs/mnist_ps.toml
+    python -m launch.local --workers 2 --ps 1 --restart task --config configs/mnist_ps.toml
 
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
 where every task has a link of its own (launch/network.py says how, and what
@@ -31,10 +35,8 @@ a failure, the relaunched cluster (`--max-restarts`) runs without the cuts:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -44,16 +46,9 @@ import portpicker
 from app.workdir import default_path
 from launch import network
 from launch.inprocess import cluster_spec
+from launch.tasks import NOT_RETRIED, PREEMPTED, Task, announce, exit_text, grace, restart_alone
 
-STOP_GRACE_S = 15  # a ps/worker exits about 6 s after the chief
-EVALUATOR_GRACE_S = 300
-# What app.train's exit codes mean (app/preemption.py). --max-restarts relaunches
-# after any failure but 2: a configuration or storage mistake would fail again,
-# where a lost task (3), a preemption (4, the backup saved) or a crash need not.
-EXIT_CODES = {2: "configuration or storage error", 3: "a task was lost",
-              4: "preempted, backup saved"}
-NOT_RETRIED = (0, 2)
-PREEMPTED = 4
+TASK_RESTARTS = 3  # --max-restarts under --restart task unless given
 # Set by SIGTERM to the launcher itself: the scheduler or the machine is stopping
 # the whole job. Every task is then sent SIGTERM too (training tasks save a backup,
 # app/preemption.py) and nothing is relaunched.
@@ -62,50 +57,6 @@ _TERMINATED = threading.Event()
 
 def _on_sigterm(signum, frame) -> None:
     _TERMINATED.set()
-
-
-class Task:
-    """One task's process, its output copied line by line under its label."""
-
-    def __init__(self, job: str, index: int, spec: dict, train_args: list[str]):
-        self.label = f"{job}:{index}"
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": spec, "task": {"type": job, "index": index}}))
-        self.process = subprocess.Popen(
-            [sys.executable, "-u", "-m", "app.train", *train_args], env=env,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
-        self._copier = threading.Thread(target=self._copy, daemon=True)
-        self._copier.start()
-        announce(f"{self.label} started, pid {self.process.pid}")
-
-    def _copy(self) -> None:
-        prefix = f"[{self.label}]"
-        for line in self.process.stdout:
-            # app.train prefixes its own log lines; TF's and Keras' are not.
-            sys.stdout.write(line if line.startswith(prefix) else f"{prefix} {line}")
-            sys.stdout.flush()
-
-    def stop(self, now: bool = False) -> None:
-        """SIGTERM (the task saves a backup, app/preemption.py), or SIGKILL `now`."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL if now else signal.SIGTERM)
-
-    def finish(self, grace_s: float = STOP_GRACE_S) -> int:
-        """Wait for the process to end: SIGTERM after `grace_s`, SIGKILL after another."""
-        for escalate in (self.stop, self.process.kill, None):
-            try:
-                code = self.process.wait(timeout=grace_s)
-                break
-            except subprocess.TimeoutExpired:
-                if escalate is None:
-                    raise
-                escalate()
-        self._copier.join(timeout=5)
-        return code
-
-
-def announce(message: str) -> None:
-    print(f"[launch] {message}", flush=True)
 
 
 def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
@@ -149,7 +100,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     synchronous training it stalls the others, so all are stopped.
     """
     tasks, links = start_tasks(args, train_args)
-    lead = tasks[-1] if args.ps else next(t for t in tasks if t.label == "worker:0")
+    lead = lead_task(args, tasks)
     synchronous = not args.ps
     failed = None
     try:
@@ -185,28 +136,38 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         if failed is None:
             announce(f"{lead.label} exited with {exit_text(code)}; stopping the other tasks")
         # Synchronous workers whose peer died wait for it inside an all-reduce and never
-        # reach the step boundary where SIGTERM is acted on; after a preemption (4) they
+        # reach the step boundary where SIGTERM is acted on; after a preemption (204) they
         # are saving the backup with it.
         now = failed is not None and failed.process.returncode != PREEMPTED
         for task in tasks:
             task.stop(now)
     for task in others:
-        # The evaluator may still be evaluating the last checkpoint.
-        grace = EVALUATOR_GRACE_S if task.label.startswith("evaluator") else STOP_GRACE_S
-        exited = task.finish(grace)
+        exited = task.finish(grace(task))
         if task is not failed:  # announced already
             announce(f"{task.label} exited with {exit_text(exited)}")
     code = lead.finish()
     if failed is not None and failed is not lead:
         announce(f"{lead.label} exited with {exit_text(code)}")
-        # The failed task's reason (a preempted worker's 4); a death by signal is 1.
+        # The failed task's reason (a preempted worker's 204); a death by signal is 1.
         code = max(failed.process.returncode, 0) or 1
     return code, failed is not None
 
 
-def exit_text(code: int) -> str:
-    """An exit code with its meaning, e.g. "4 (preempted, backup saved)"."""
-    return f"{code} ({EXIT_CODES[code]})" if code in EXIT_CODES else str(code)
+def lead_task(args: argparse.Namespace, tasks: list[Task]) -> Task:
+    """The task whose exit is the job's: the chief, or worker 0 without ps."""
+    return next(t for t in tasks if t.label == ("chief:0" if args.ps else "worker:0"))
+
+
+def run_alone(args: argparse.Namespace, train_args: list[str]) -> int:
+    """`--restart task`: start every task, relaunch each that fails alone (see
+    launch/tasks.py); the exit code."""
+    tasks, links = start_tasks(args, train_args)
+    try:
+        return restart_alone(tasks, lead_task(args, tasks), args.max_restarts, _TERMINATED)
+    finally:
+        if links:
+            links.cancel()
+            announce(f"bytes through each task's link: {links.report()}")
 
 
 def task_labels(args: argparse.Namespace) -> list[str]:
@@ -253,11 +214,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="parameter servers (0: synchronous training, workers only)")
     parser.add_argument("--evaluator", action="store_true",
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
-    parser.add_argument("--max-restarts", type=int, default=0,
-                        help="relaunch every task up to N times after a failure (any exit "
-                             "code but 2, a configuration or storage error; 4 is a "
-                             "preemption); training resumes from the workdir's backup "
-                             "(like torchrun)")
+    parser.add_argument("--max-restarts", type=int,
+                        help="relaunch up to N times after a failure (any exit code but 2, "
+                             "a configuration or storage error); training resumes from the "
+                             "workdir's backup. Default: 0 with --restart job, 3 with "
+                             "--restart task")
+    parser.add_argument("--restart", choices=("job", "task"), default="job",
+                        help="what a failure relaunches: every task (job, like torchrun; the "
+                             "default) or the failed task alone, with its TF_CONFIG and port "
+                             "(task, as Kubernetes restarts one pod; needs --ps 1 or more), "
+                             "each task up to --max-restarts times")
     parser.add_argument("--link", metavar="RATE[,DELAY]",
                         help="give every task a link of its own, RATE each way plus DELAY "
                              "(e.g. 1gbit, 10gbit,0.1ms), in a private network namespace; "
@@ -269,8 +235,14 @@ def main(argv: list[str] | None = None) -> int:
                              "a relaunch after a failure runs without it")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
+    if args.max_restarts is None:  # naming a restart policy asks for restarts
+        args.max_restarts = TASK_RESTARTS if args.restart == "task" else 0
     if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
         parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
+    if args.restart == "task" and not args.ps:
+        parser.error("--restart task needs parameter servers (--ps 1 or more): synchronous "
+                     "workers all-reduce every step, so one restarted alone finds its peers "
+                     "gone; use --restart job")
     try:
         parse_network(args)
     except ValueError as e:
@@ -283,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
+        if args.restart == "task":
+            return run_alone(args, train_args)
         for attempt in range(args.max_restarts + 1):
             if attempt:
                 announce(f"restart {attempt} of {args.max_restarts}")

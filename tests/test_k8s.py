@@ -1,18 +1,25 @@
-"""The Kubernetes manifests, checked without a cluster: every pod of each TFJob
-gets TF_CONFIG exactly as Kubeflow's training operator writes it, and `app`
-must pick the intended role and strategy from it."""
+"""The Kubernetes manifests, checked without a cluster: every TFJob validates
+against the training operator's CRD schema (../shared/k8s/), with the fields the
+operator itself relies on; every pod gets TF_CONFIG exactly as the operator
+writes it, and `app` must pick the intended role and strategy from it."""
 
+import copy
 import json
 import pathlib
+import re
+import signal
 
 import pytest
 import yaml
 
 from app import cluster as clusters
 from app import config as cfg
-from app import strategy, train
+from app import preemption, strategy, train
 
-K8S = pathlib.Path(__file__).resolve().parent.parent / "launch" / "k8s"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+K8S = ROOT / "launch" / "k8s"
+# The Kubeflow training operator's TFJob CRD (v1), beside the project, not in it.
+CRD = ROOT.parent / "shared" / "k8s" / "kubeflow.org_tfjobs.yaml"
 NAMESPACE = "ml"
 DEFAULT_PORT = 2222  # the operator's port when a replica names none
 
@@ -123,3 +130,125 @@ def test_every_pod_has_time_to_save_a_backup_when_evicted(manifest):
     job = load(manifest)
     for rt, _, spec in pods(job):
         assert spec["template"]["spec"].get("terminationGracePeriodSeconds", 30) >= 120, rt
+
+
+# -- the manifests against the operator's schema and rules ----------------------------
+
+MANIFESTS = sorted(p.name for p in K8S.glob("*.yaml"))
+TFJOBS = [name for name in MANIFESTS if load(name)["kind"] == "TFJob"]
+# The training operator's replica types (tfjob_types.go); "Master" is the chief's old name.
+REPLICA_TYPES = {"Chief", "Master", "PS", "Worker", "Evaluator"}
+RESTART_POLICIES = {"Always", "OnFailure", "Never", "ExitCode"}  # the CRD's description
+CLEAN_POD_POLICIES = {"All", "Running", "None"}
+DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")  # RFC 1035, as Services need
+
+
+def strict(schema: dict) -> dict:
+    """The CRD's schema refusing unknown fields, as `kubectl apply` (strict field
+    validation) does; the API server would otherwise drop them silently, and a
+    misspelled `restartPolicy` would leave the operator's default in force."""
+    schema = copy.deepcopy(schema)
+
+    def close(node):
+        if isinstance(node, dict):
+            if ("properties" in node and "additionalProperties" not in node
+                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+                node["additionalProperties"] = False
+            for value in node.values():
+                close(value)
+        elif isinstance(node, list):
+            for value in node:
+                close(value)
+
+    close(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def tfjob_validator():
+    if not CRD.exists():
+        pytest.skip(f"no TFJob CRD at {CRD}: the schema check needs the training operator's "
+                    "kubeflow.org_tfjobs.yaml there")
+    jsonschema = pytest.importorskip("jsonschema", reason="pip install -e '.[test]'")
+    crd = yaml.safe_load(CRD.read_text())
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    schema = strict(version["schema"]["openAPIV3Schema"])
+    # OpenAPI v3.0 schemas are JSON Schema draft 4 with extensions (x-kubernetes-*),
+    # which validators ignore.
+    jsonschema.Draft4Validator.check_schema(schema)
+    return jsonschema.Draft4Validator(schema)
+
+
+def schema_errors(validator, job: dict) -> list[str]:
+    return sorted(f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+                  for e in validator.iter_errors(job))
+
+
+@pytest.mark.parametrize("manifest", TFJOBS)
+def test_every_tfjob_validates_against_the_crd_schema(tfjob_validator, manifest):
+    job = load(manifest)
+    assert (job["apiVersion"], job["kind"]) == ("kubeflow.org/v1", "TFJob")
+    assert schema_errors(tfjob_validator, job) == []
+
+
+def test_the_schema_check_catches_an_unknown_field_and_a_wrong_type(tfjob_validator):
+    job = load("tfjob-ps.yaml")
+    chief = job["spec"]["tfReplicaSpecs"]["Chief"]
+    chief["restartPolicyy"] = chief.pop("restartPolicy")
+    chief["replicas"] = "1"
+    errors = schema_errors(tfjob_validator, job)
+    assert any("restartPolicyy" in e and "not allowed" in e for e in errors), errors
+    assert any(e.startswith("spec.tfReplicaSpecs.Chief.replicas") for e in errors), errors
+
+
+@pytest.mark.parametrize("manifest", TFJOBS)
+def test_every_tfjob_has_what_the_operator_relies_on(manifest):
+    job = load(manifest)
+    assert DNS_LABEL.match(job["metadata"]["name"]), "the operator names Services after it"
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] in CLEAN_POD_POLICIES
+    specs = job["spec"]["tfReplicaSpecs"]
+    assert set(specs) <= REPLICA_TYPES, set(specs) - REPLICA_TYPES
+    assert sum(specs.get(t, {}).get("replicas", 0) for t in ("Chief", "Master")) <= 1
+    assert specs.get("Evaluator", {}).get("replicas", 0) <= 1
+    for rt, spec in specs.items():
+        assert spec["restartPolicy"] in RESTART_POLICIES, rt
+        # The operator sets TF_CONFIG in, and takes the port from, this container only.
+        names = [c["name"] for c in spec["template"]["spec"]["containers"]]
+        assert names == ["tensorflow"], (rt, names)
+        assert container(spec)["image"], rt
+        if rt != "Evaluator":  # it serves nothing
+            assert "tfjob-port" in {p["name"] for p in container(spec)["ports"]}, rt
+
+
+@pytest.mark.parametrize("manifest", TFJOBS)
+def test_the_restart_policy_retries_exactly_the_exits_a_restart_can_fix(manifest):
+    # Under ExitCode the operator restarts a pod after 128..255 and fails the job
+    # on 1..127 (tfjob_controller, IsRetryableExitCode).
+    for rt, spec in load(manifest)["spec"]["tfReplicaSpecs"].items():
+        assert spec["restartPolicy"] == "ExitCode", rt
+    retried = {clusters.TaskLost.exit_code, preemption.EXIT_CODE, 128 + signal.SIGKILL}
+    assert all(128 <= code <= 255 for code in retried), retried
+    # Not a death by signal either: 128 + N for N up to SIGRTMAX.
+    assert min(clusters.TaskLost.exit_code, preemption.EXIT_CODE) > 128 + signal.SIGRTMAX
+
+
+def test_the_workdir_claim_and_network_policies_are_well_formed():
+    kinds = {name: load(name)["kind"] for name in MANIFESTS}
+    assert set(kinds.values()) == {"TFJob", "PersistentVolumeClaim", "NetworkPolicy"}, kinds
+    for name, kind in kinds.items():
+        doc = load(name)
+        assert DNS_LABEL.match(doc["metadata"]["name"]), name
+        if kind == "PersistentVolumeClaim":
+            assert doc["apiVersion"] == "v1"
+            assert set(doc["spec"]["accessModes"]) <= {
+                "ReadWriteOnce", "ReadOnlyMany", "ReadWriteMany", "ReadWriteOncePod"}
+            # A Kubernetes quantity: digits and a binary or decimal suffix.
+            assert re.match(r"^[0-9.]+(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$",
+                            doc["spec"]["resources"]["requests"]["storage"]), name
+        elif kind == "NetworkPolicy":
+            assert doc["apiVersion"] == "networking.k8s.io/v1"
+            assert set(doc["spec"]["policyTypes"]) <= {"Ingress", "Egress"}, name
+            for rule in doc["spec"].get("ingress", []):
+                assert set(rule) <= {"from", "ports"}, name
+                for p in rule["ports"]:
+                    assert p["protocol"] in ("TCP", "UDP", "SCTP") and 0 < p["port"] < 65536

@@ -5,11 +5,16 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
-from launch import local, network
+from app.cluster import TaskLost
+from app.preemption import EXIT_CODE as PREEMPTED
+from launch import local, network, tasks
 from tests import launching
+
+LOST = TaskLost.exit_code
 
 pytestmark = pytest.mark.slow
 
@@ -69,8 +74,8 @@ def test_thread_settings_share_the_cores_unless_chosen():
 
 
 @pytest.mark.parametrize("codes, calls, result", [
-    ([4, 0], 2, 0),      # preempted with the backup saved: relaunched, resumes
-    ([3, 4, 3], 3, 3),   # lost tasks: relaunched until --max-restarts runs out
+    ([PREEMPTED, 0], 2, 0),        # preempted with the backup saved: relaunched, resumes
+    ([LOST, PREEMPTED, LOST], 3, LOST),  # lost tasks: relaunched until --max-restarts runs out
     ([2], 1, 2),         # a configuration or storage error would fail again
 ])
 def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, result):
@@ -80,15 +85,71 @@ def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, 
                         lambda args, train_args: seen.append(1) or (next(returned), False))
     assert local.main(["--max-restarts", "2", "--workdir", "unused"]) == result
     assert len(seen) == calls
-    assert local.exit_text(4) == "4 (preempted, backup saved)" and local.exit_text(-9) == "-9"
+    assert local.exit_text(204) == "204 (preempted, backup saved)"
+    assert local.exit_text(203) == "203 (a task was lost)" and local.exit_text(-9) == "-9"
 
 
 def test_a_partition_cuts_the_first_attempt_only(monkeypatch):
     seen = []
     monkeypatch.setattr(local, "enter_network", lambda argv: None)  # no namespace needed
-    monkeypatch.setattr(local, "run_cluster",
-                        lambda args, train_args: seen.append(list(args.partitions)) or (3, False))
+    monkeypatch.setattr(local, "run_cluster", lambda args, train_args: (
+        seen.append(list(args.partitions)) or (LOST, False)))
     argv = ["--link", "1gbit", "--partition", "ps:0@30+20", "--max-restarts", "1",
             "--workdir", "unused"]
-    assert local.main(argv) == 3
+    assert local.main(argv) == LOST
     assert seen == [[network.Partition("ps:0", 30.0, 20.0)], []]
+
+
+def test_restart_task_needs_parameter_servers(capsys):
+    with pytest.raises(SystemExit) as e:
+        local.main(["--ps", "0", "--restart", "task", "--workdir", "unused"])
+    assert e.value.code == 2
+    assert ("--restart task needs parameter servers (--ps 1 or more): synchronous workers "
+            "all-reduce every step") in capsys.readouterr().err
+
+
+class FakeTask:
+    """A task whose process exits with the next of `codes` each time it is started."""
+
+    def __init__(self, label: str, codes: list[int], started: list[str]):
+        self.label, self.job, self.codes, self.started = label, label.split(":")[0], codes, started
+        self.returncode = codes.pop(0) if codes else None  # None: runs until stopped
+        self.process = self
+        started.append(label)
+
+    def poll(self):
+        return self.returncode
+
+    def again(self):
+        return FakeTask(self.label, self.codes, self.started)
+
+    def stop(self, now=False):
+        if self.returncode is None:
+            self.returncode = PREEMPTED
+
+    def finish(self, grace_s=0):
+        return self.returncode
+
+
+@pytest.mark.parametrize("ps_codes, max_restarts, result, started", [
+    # The ps is lost; the chief fails with it (203); both are relaunched, alone.
+    ([-9, None], 1, 0, ["ps:1", "chief:0", "ps:1", "chief:0"]),
+    # The ps fails again: its second failure is one more than it may have.
+    ([-9, -9, None], 1, 1, ["ps:1", "chief:0", "ps:1"]),
+    ([-9, -9, None], 2, 0, ["ps:1", "chief:0", "ps:1", "ps:1", "chief:0"]),
+])
+def test_restart_alone_relaunches_each_failed_task_up_to_the_limit(ps_codes, max_restarts,
+                                                                  result, started):
+    seen = []
+    ps = FakeTask("ps:1", ps_codes, seen)
+    chief = FakeTask("chief:0", [LOST, 0], seen)
+    stopped = threading.Event()
+    assert tasks.restart_alone([ps, chief], chief, max_restarts, stopped) == result
+    assert seen == started
+
+
+def test_restart_alone_does_not_retry_a_configuration_error():
+    seen = []
+    worker, chief = FakeTask("worker:0", [2], seen), FakeTask("chief:0", [None], seen)
+    assert tasks.restart_alone([worker, chief], chief, 5, threading.Event()) == 2
+    assert seen == ["worker:0", "chief:0"] and chief.returncode == PREEMPTED  # stopped

@@ -8,6 +8,7 @@ own (`make test` runs the `cluster` marker separately).
 """
 
 import json
+import os
 import socket
 import threading
 import time
@@ -159,25 +160,53 @@ def test_fp16_push_in_sync_mode_is_refused(ps_strategy, ps_cluster, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_task_serves_until_the_chief_has_come_and_gone():
+def serve_in_thread(job: str, wait_s: float) -> tuple[socket.socket, dict, threading.Event]:
+    """A listening socket standing for the chief, and `serve` of task `job`:0 in a
+    thread; (the chief, what serve raised as {"error": ...}, set when it ends)."""
     chief = socket.socket()
     chief.bind(("localhost", 0))
     chief.listen()
-    chief_address = f"localhost:{chief.getsockname()[1]}"
     free = inprocess.portpicker.pick_unused_port
-    spec = {"chief": [chief_address], "ps": [f"localhost:{free()}"],
+    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"], "ps": [f"localhost:{free()}"],
             "worker": [f"localhost:{free()}"]}
-    task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": "ps", "index": 0}}))
-    runtime = cfg.RuntimeConfig()
-    done = threading.Event()
-    thread = threading.Thread(
-        target=lambda: (parameter_server.serve(task, runtime, poll_s=0.1, grace_s=0.3),
-                        done.set()), daemon=True)
-    thread.start()
+    task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
+    outcome, done = {}, threading.Event()
+
+    def run():
+        try:
+            parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1)
+        except clusters.TaskLost as e:
+            outcome["error"] = e
+        done.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    outcome["marker"] = parameter_server.finished_marker(spec[job][0])
+    return chief, outcome, done
+
+
+def test_a_task_serves_until_the_chief_has_finished_not_merely_left():
+    chief, outcome, done = serve_in_thread("ps", wait_s=60)
     time.sleep(1.0)
     assert not done.is_set()  # the chief is up: keep serving
     chief.close()
+    time.sleep(1.0)
+    assert not done.is_set()  # gone without finishing: it may come back, keep serving
+    # What the chief's tell_finished writes through TF on this task's disk.
+    with open(outcome["marker"], "w") as f:
+        f.write("finished")
+    assert done.wait(timeout=10) and "error" not in outcome
+    assert not os.path.exists(outcome["marker"])  # not left for the next job on this port
+
+
+def test_a_task_whose_chief_does_not_come_back_exits_with_a_retried_code():
+    chief, outcome, done = serve_in_thread("worker", wait_s=0.5)
+    time.sleep(1.0)
+    chief.close()
     assert done.wait(timeout=10)
+    error = outcome["error"]
+    assert error.exit_code == 203
+    assert ("left without finishing and has not come back within cluster.connect_timeout_s "
+            "= 0.5 s; worker:0 stops with exit code 203") in str(error)
 
 
 def test_the_example_task_trains_on_the_cluster(ps_strategy, ps_cluster, tmp_path):

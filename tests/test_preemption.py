@@ -33,10 +33,10 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_goes_on_from_there(
     attach(monkeypatch, Probe(stop_at=(1, 4), how="sigterm"))
     with pytest.raises(preemption.Preempted) as stopped:
         _run(config, tmp_path, tiny_datasets)
-    assert stopped.value.exit_code == 4
+    assert stopped.value.exit_code == preemption.EXIT_CODE == 204  # retried by Kubeflow
     assert f"backup saved in {tmp_path / 'backup'}" in str(stopped.value)
     assert workdir.has_backup(tmp_path)
-    # On its way out with exit code 4: a second SIGTERM must not kill it first.
+    # On its way out with exit code 204: a second SIGTERM must not kill it first.
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     (epoch_1,) = json.loads((tmp_path / "backup" / "history.json").read_text())

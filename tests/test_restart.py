@@ -1,10 +1,11 @@
 """Restart after failure in a parameter-server cluster, end to end with
-`launch.local --max-restarts 1`: the chief or a ps is SIGKILLed at a step the
-chief reports in the second epoch; the relaunched job resumes from the last
-backup and finishes as a clean run would, step for step."""
+`launch.local --max-restarts 1` (the whole job relaunched): a sync-mode chief is
+SIGKILLed at a step it reports in the second epoch; the relaunched job resumes
+from the sync backup and finishes as a clean run would, step for step. The
+async chief, a ps and a worker, each relaunched alone (`--restart task`), with
+the same checks: tests/test_restart_task.py, which shares SMALL and STEPS."""
 
 import json
-import re
 
 import pytest
 
@@ -17,54 +18,6 @@ SMALL = ["--set", "task.train_examples=3000", "--set", "task.validation_examples
          "--set", "task.test_examples=300", "--set", "train.epochs=2",
          "--set", "eval.test_every_epoch=false", "--set", "train.verbose=2",
          "--set", "debug.log_every_steps=1"]
-
-
-def run_and_kill(tmp_path, victim: str, at_step: int, *args: str) -> tuple[str, dict]:
-    """Run a chief + 1 worker + 2 ps job; SIGKILL `victim` once the chief reports `at_step`."""
-    launcher = launching.launch("--workers", "1", "--ps", "2", "--max-restarts", "1", *SMALL,
-                                *args, "--workdir", str(tmp_path / "run"))
-    output, killed = launching.signal_at_step(launcher, "chief:0", at_step, victim)
-    launcher.wait(timeout=60)
-    assert killed and launcher.returncode == 0, output[-4000:]
-    return output, json.loads((tmp_path / "run" / "metrics.json").read_text())
-
-
-def check_resumed_in_epoch_2(output: str, metrics: dict) -> str:
-    """The relaunch's output, once checked: epoch 1 not redone, every step run once."""
-    after = output[output.index("[launch] restart 1 of 1"):]
-    assert "[chief:0] Epoch 1/2" not in after  # the completed epoch is not redone
-    assert "[chief:0] Epoch 2/2" in after
-    assert metrics["epochs_completed"] == 2
-    assert metrics["steps"] == 2 * STEPS  # as in a clean run: every step once
-    assert [row["epoch"] for row in metrics["history"]] == [1, 2]  # the first run's too
-    return after
-
-
-def test_a_killed_chief_resumes_within_every_steps_of_where_it_died(tmp_path):
-    killed_at = STEPS + 45
-    # The MLP: a backup every 10 steps of the CNN and its Adam slots (40 MB) is slow here.
-    output, metrics = run_and_kill(tmp_path, "chief:0", killed_at,
-                                   "--set", "checkpoint.every_steps=10", "--set", "task.model=mlp")
-    assert "[launch] chief:0 exited with -9" in output
-    after = check_resumed_in_epoch_2(output, metrics)
-    # Backups every 10 steps of the epoch: the relaunch goes on from the last one.
-    resumed_from = launching.steps_reported(after, "chief:0")[0] - 1
-    assert killed_at - 10 <= resumed_from and (resumed_from - STEPS) % 10 == 0, resumed_from
-    assert metrics["test_accuracy"] > 0.5  # it learned the real MNIST digits
-
-
-def test_a_killed_ps_fails_the_chief_fast_and_the_relaunch_resumes(tmp_path):
-    output, metrics = run_and_kill(tmp_path, "ps:1", STEPS + 20, "--set", "task.model=mlp")
-    before = output[:output.index("[launch] restart 1 of 1")]
-    assert re.search(r"error: parameter server ps:1 \(localhost:\d+\) became unreachable",
-                     before), before[-3000:]
-    assert "[launch] chief:0 exited with 3" in before
-    after = check_resumed_in_epoch_2(output, metrics)
-    # checkpoint.every_steps = 0: the epoch is redone from its start.
-    assert launching.steps_reported(after, "chief:0")[0] == STEPS + 1
-    # The same sharding after the restart: the placement report is logged again, unchanged.
-    reports = re.findall(r"\[chief:0\] INFO   ps:(\d)\s+(\S+ \S+)", output)
-    assert len(reports) == 4 and reports[:2] == reports[2:], reports
 
 
 def test_a_killed_sync_chief_resumes_in_its_epoch(tmp_path):

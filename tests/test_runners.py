@@ -84,7 +84,8 @@ def test_a_multi_worker_peer_lost_mid_all_reduce_is_a_task_lost_error(tmp_path):
         with runner.guard(tmp_path):
             raise error
     assert str(lost.value).startswith("worker:1 (localhost:2) became unreachable during an "
-                                      "all-reduce; training stopped.")
+                                      "all-reduce; training stopped (exit code 203). Restart "
+                                      "it with the lost task")
     assert str(tmp_path / "backup") in str(lost.value)
 
 

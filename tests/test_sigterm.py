@@ -1,5 +1,6 @@
 """Preemption end to end: SIGTERM to a training task saves a backup at the next
-step boundary and exits with 4; the job launched again goes on from there.
+step boundary and exits with 204 (app.preemption.EXIT_CODE); the job launched
+again goes on from there.
 SIGTERM to the launcher reaches every task."""
 
 import json
@@ -9,31 +10,33 @@ import signal
 import pytest
 
 from app import workdir
+from app.preemption import EXIT_CODE
 from tests import launching
 
 pytestmark = pytest.mark.slow
 
-PREEMPTED = "exited with 4 (preempted, backup saved)"
+PREEMPTED = f"exited with {EXIT_CODE} (preempted, backup saved)"
 
 
-def test_sigterm_to_the_chief_saves_exits_4_and_the_rerun_resumes(tmp_path):
+def test_sigterm_to_the_chief_saves_exits_204_and_the_rerun_resumes(tmp_path):
     steps = 2000 // 32
     args = ["--workers", "1", "--ps", "1", "--set", "task.train_examples=2000",
             "--set", "task.validation_examples=0", "--set", "task.test_examples=200",
             "--set", "train.epochs=2", "--set", "eval.test_every_epoch=false",
             "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
             "--set", "task.model=mlp", "--workdir", str(tmp_path / "run")]
-    launcher = launching.launch(*args)  # no --max-restarts: the launcher exits with 4
+    launcher = launching.launch(*args)  # no --max-restarts: the launcher exits with 204
     signalled_at = steps // 2
     output, sent = launching.signal_at_step(launcher, "chief:0", signalled_at, "chief:0",
                                             signal.SIGTERM)
-    assert sent and launcher.wait(timeout=60) == 4, output[-4000:]
+    assert sent and launcher.wait(timeout=60) == EXIT_CODE, output[-4000:]
     assert f"[launch] chief:0 {PREEMPTED}" in output
     assert f"backup saved in {tmp_path / 'run' / 'backup'}" in output
     assert workdir.has_backup(tmp_path / "run")
-    # The ps and the worker outlived SIGTERM until the chief had saved, then left.
-    assert "[launch] ps:0 exited with 0" in output
-    assert "[launch] worker:0 exited with 0" in output
+    # The ps and the worker outlived SIGTERM until the chief had saved, then left with
+    # the chief's code: a scheduler restarts them with it (exit 0 would end their pods).
+    assert f"[launch] ps:0 {PREEMPTED}" in output
+    assert f"[launch] worker:0 {PREEMPTED}" in output
 
     again = launching.launch(*args)
     rerun, _ = again.communicate(timeout=600)
@@ -79,7 +82,7 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_
 def test_sigterm_to_the_launcher_preempts_every_task_and_relaunches_nothing(tmp_path):
     launcher = two_workers(tmp_path)
     output, sent = launching.signal_at_step(launcher, "worker:0", 5, "launch", signal.SIGTERM)
-    assert sent and launcher.wait(timeout=60) == 4, output[-4000:]
+    assert sent and launcher.wait(timeout=60) == EXIT_CODE, output[-4000:]
     assert "[launch] SIGTERM: passing it to every task" in output
     assert f"[launch] worker:0 {PREEMPTED}" in output, output[-4000:]
     assert f"[launch] worker:1 {PREEMPTED}" in output
