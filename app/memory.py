@@ -1,0 +1,89 @@
+"""A memory limit per task (`runtime.memory_limit_gib`), applied inside the task's
+own process before TensorFlow starts, and the named error of a task that outgrows it.
+
+How the limit is applied, measured on this project's CPU machine (Linux 6.18,
+TensorFlow 2.21, 2 cores, 23 GiB, no swap) with a process that imports
+TensorFlow and then holds 256 MiB tensors one after the other:
+
+- cgroups: not used. This machine has cgroup v1's memory controller (owned by
+  the container runtime) and a cgroup v2 hierarchy without one, so a child
+  cgroup with memory.max cannot be made here, and code that could not be run
+  here is not shipped. Under Kubernetes and SLURM the scheduler's cgroup holds
+  the same limit from outside (launch/k8s, launch/slurm/train.sbatch).
+- RLIMIT_AS: counts every mapping, and TensorFlow's libraries alone map
+  1.4 GiB (VmSize after `import tensorflow`, with 0.6 GiB resident): at
+  1.5 GiB the import succeeds and the first 256 MiB tensor fails. The limit
+  would have to include 1.4 GiB of address space that is never memory.
+- RLIMIT_DATA: counts private writable mappings (since Linux 4.7: malloc's heap
+  and its mmap'd chunks, TensorFlow's allocator pools, numpy arrays), not the
+  libraries' code. At 1.5 GiB: VmData 0.28 GiB after the import, 1.38 GiB with
+  two tensors held (RSS 1.45 GiB), and the third raised TensorFlow's
+  ResourceExhaustedError ("OOM when allocating tensor"); numpy raises
+  MemoryError. This is what `apply_limit` sets.
+
+With TensorFlow's BFC pool (runtime.cpu_allocator = "bfc", or oneDNN on, the
+defaults) a failed allocation is retried for 10 s (TensorFlow's AllocatorRetry)
+before the op fails; with "malloc" it fails at once.
+
+RLIMIT_DATA is a bound on what the process asks for, not on its resident pages,
+and it fails the allocation that crosses it rather than killing the process: the
+task names the error and exits with `EXIT_CODE`. An allocation that fails in a
+TensorFlow thread outside any op (gRPC buffers) aborts the process instead
+(SIGABRT); launch.local names that exit too when a limit is set.
+"""
+
+from __future__ import annotations
+
+import re
+import resource
+
+GIB = 1 << 30
+# Not retried (launch.local, Kubeflow's ExitCode policy fails the job on 1..127):
+# the same task with the same limit would run out again.
+EXIT_CODE = 5
+# What a task holds before it builds anything: `python -c 'import tensorflow'`
+# here, VmRSS 0.60 GiB (RSS, shared libraries' pages included) and VmData
+# 0.28 GiB (what RLIMIT_DATA counts). app.plan adds this to every task's peak;
+# the larger number keeps the plan on the safe side of the limit.
+BASELINE_BYTES = 600 << 20
+
+# TensorFlow's message names the device, hence the task, that failed to allocate:
+# "OOM when allocating tensor with shape[...] ... on /job:ps/replica:0/task:1/device:CPU:0".
+_DEVICE = re.compile(r"OOM when allocating.* on /job:(\w+)/replica:\d+/task:(\d+)")
+_TENSOR = re.compile(r"OOM when allocating tensor with shape\[([^\]]*)\]")
+
+
+def apply_limit(gib: float) -> str:
+    """Limit this process's data segment (RLIMIT_DATA) to `gib` GiB; 0: leave it.
+    Call before TensorFlow starts. A description of what was set, for the log."""
+    if not gib:
+        return "no memory limit"
+    limit = int(gib * GIB)
+    _, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    if hard != resource.RLIM_INFINITY and hard < limit:
+        limit = hard  # an unprivileged process cannot raise its hard limit
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    return f"memory limit {limit / GIB:.3g} GiB (RLIMIT_DATA)"
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A failed allocation: numpy's or Python's MemoryError, TensorFlow's
+    ResourceExhaustedError (read by name: TensorFlow need not be imported)."""
+    return isinstance(error, MemoryError) or any(
+        kind.__name__ == "ResourceExhaustedError" for kind in type(error).__mro__)
+
+
+def message(error: BaseException, label: str, gib: float) -> str:
+    """The one-line error of a task that ran out of its limit. The task is read from
+    TensorFlow's message where it names one (a ps that could not allocate fails the
+    chief's call), else it is `label`, this task."""
+    found = _DEVICE.search(str(error))
+    task = f"{found[1]}:{found[2]}" if found and found[1] != "localhost" else label
+    limit = (f"its memory limit (runtime.memory_limit_gib = {gib:g} GiB)" if gib
+             else "memory (runtime.memory_limit_gib = 0: no limit of its own)")
+    tensor = _TENSOR.search(str(error))
+    what = (f"allocating a tensor of shape [{tensor[1]}]" if tensor
+            else f"{type(error).__name__} {str(error).strip()[:120]}".strip())
+    return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
+            f"spread the tables (python -m app.plan --memory-limit-gib {gib:g} says how many); "
+            f"exit code {EXIT_CODE}")
