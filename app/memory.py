@@ -68,19 +68,26 @@ def apply_limit(gib: float) -> str:
 
 def is_out_of_memory(error: BaseException) -> bool:
     """A failed allocation: numpy's or Python's MemoryError, TensorFlow's
-    ResourceExhaustedError (read by name: TensorFlow need not be imported)."""
-    return isinstance(error, MemoryError) or any(
-        kind.__name__ == "ResourceExhaustedError" for kind in type(error).__mro__)
+    ResourceExhaustedError of an "OOM when allocating" (read by name: TensorFlow need
+    not be imported; its other ResourceExhausted errors, a gRPC message too large,
+    are not about memory)."""
+    return isinstance(error, MemoryError) or ("OOM" in str(error) and any(
+        kind.__name__ == "ResourceExhaustedError" for kind in type(error).__mro__))
 
 
 def message(error: BaseException, label: str, gib: float) -> str:
     """The one-line error of a task that ran out of its limit. The task is read from
-    TensorFlow's message where it names one (a ps that could not allocate fails the
-    chief's call), else it is `label`, this task."""
+    TensorFlow's message where it names one (an op that failed on another task is
+    reported to its caller with that task's device; not yet seen on a cluster here),
+    else it is `label`, this task."""
     found = _DEVICE.search(str(error))
     task = f"{found[1]}:{found[2]}" if found and found[1] != "localhost" else label
-    limit = (f"its memory limit (runtime.memory_limit_gib = {gib:g} GiB)" if gib
-             else "memory (runtime.memory_limit_gib = 0: no limit of its own)")
+    if "/device:GPU" in str(error):  # not what the limit counts
+        limit = "GPU memory"
+    elif gib:
+        limit = f"its memory limit (runtime.memory_limit_gib = {gib:g} GiB)"
+    else:
+        limit = "memory (runtime.memory_limit_gib = 0: no limit of its own)"
     tensor = _TENSOR.search(str(error))
     what = (f"allocating a tensor of shape [{tensor[1]}]" if tensor
             else f"{type(error).__name__} {str(error).strip()[:120]}".strip())

@@ -60,6 +60,9 @@ def test_the_error_names_the_task_tensorflow_could_not_allocate_on():
         "/job:ps/replica:0/task:1/device:CPU:0 by allocator mklcpu")
     assert memory.is_out_of_memory(error) and memory.is_out_of_memory(MemoryError())
     assert not memory.is_out_of_memory(ValueError("OOM"))
+    assert not memory.is_out_of_memory(ResourceExhaustedError("grpc: message larger than max"))
+    gpu = ResourceExhaustedError(error.args[0].replace("CPU", "GPU"))
+    assert memory.message(gpu, "chief:0", 4).startswith("ps:1 ran out of GPU memory, ")
     assert memory.message(error, "chief:0", 4).startswith(
         "ps:1 ran out of its memory limit (runtime.memory_limit_gib = 4 GiB), allocating a "
         "tensor of shape [1000,16]; raise the limit")
