@@ -19,7 +19,10 @@ TensorFlow and then holds 256 MiB tensors one after the other:
   libraries' code. At 1.5 GiB: VmData 0.28 GiB after the import, 1.38 GiB with
   two tensors held (RSS 1.45 GiB), and the third raised TensorFlow's
   ResourceExhaustedError ("OOM when allocating tensor"); numpy raises
-  MemoryError. This is what `apply_limit` sets.
+  MemoryError. This is what `apply_limit` sets, raised by the address space
+  of the threads' stacks, which it counts whole (`thread_stacks`): at 1 GiB,
+  with pools of 32 and 32 threads a process held no 256 MiB tensor without
+  that allowance, and two with it, as many as with pools of 2 and 2.
 
 With TensorFlow's BFC pool (runtime.cpu_allocator = "bfc", or oneDNN on, the
 defaults) a failed allocation is retried for 10 s (TensorFlow's AllocatorRetry)
@@ -27,13 +30,15 @@ before the op fails; with "malloc" it fails at once.
 
 RLIMIT_DATA is a bound on what the process asks for, not on its resident pages,
 and it fails the allocation that crosses it rather than killing the process: the
-task names the error and exits with `EXIT_CODE`. An allocation that fails in a
-TensorFlow thread outside any op (gRPC buffers) aborts the process instead
-(SIGABRT); launch.local names that exit too when a limit is set.
+task names the error and exits with `EXIT_CODE`. An allocation that fails in
+C++ outside any op (gRPC's buffers: std::bad_alloc) would abort the process
+instead (SIGABRT, exit -6 or 134); not seen here, and listed in
+docs/troubleshooting.md.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import resource
 
@@ -46,6 +51,9 @@ EXIT_CODE = 5
 # 0.28 GiB (what RLIMIT_DATA counts). app.plan adds this to every task's peak;
 # the larger number keeps the plan on the safe side of the limit.
 BASELINE_BYTES = 600 << 20
+# Threads besides the two op pools whose stacks `thread_stacks` allows for: 3 in
+# one process here (67 threads with pools of 32 and 32), more under gRPC serving.
+OTHER_THREADS = 16
 
 # TensorFlow's message names the device, hence the task, that failed to allocate:
 # "OOM when allocating tensor with shape[...] ... on /job:ps/replica:0/task:1/device:CPU:0".
@@ -53,17 +61,35 @@ _DEVICE = re.compile(r"OOM when allocating.* on /job:(\w+)/replica:\d+/task:(\d+
 _TENSOR = re.compile(r"OOM when allocating tensor with shape\[([^\]]*)\]")
 
 
-def apply_limit(gib: float) -> str:
-    """Limit this process's data segment (RLIMIT_DATA) to `gib` GiB; 0: leave it.
-    Call before TensorFlow starts. A description of what was set, for the log."""
+def thread_stacks(intra_op_threads: int = 0, inter_op_threads: int = 0) -> int:
+    """Bytes of address space the stacks of TensorFlow's threads reserve.
+
+    Each thread's stack is a private writable mapping of RLIMIT_STACK's size
+    (8 MiB), which RLIMIT_DATA counts whole though a thread touches a few pages
+    of it. Measured here: 7 threads with pools of 2 and 2, VmData 0.33 GiB; 67
+    threads with pools of 32 and 32, VmData 0.80 GiB, the same RSS (0.61 GiB).
+    So the limit is raised by this much: the pools (runtime.intra_op_threads,
+    inter_op_threads; 0 means one thread per core in each), plus
+    `OTHER_THREADS` for gRPC and TensorFlow's own."""
+    stack, _ = resource.getrlimit(resource.RLIMIT_STACK)
+    stack = 8 << 20 if stack == resource.RLIM_INFINITY else stack
+    cores = os.cpu_count() or 1
+    return ((intra_op_threads or cores) + (inter_op_threads or cores) + OTHER_THREADS) * stack
+
+
+def apply_limit(gib: float, stacks: int = 0) -> str:
+    """Limit this process's data segment (RLIMIT_DATA) to `gib` GiB plus `stacks`
+    bytes of thread stacks (`thread_stacks`: address space, not memory); 0: leave
+    it. Call before TensorFlow starts. A description of what was set, for the log."""
     if not gib:
         return "no memory limit"
-    limit = int(gib * GIB)
+    limit = int(gib * GIB) + stacks
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY and hard < limit:
         limit = hard  # an unprivileged process cannot raise its hard limit
     resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-    return f"memory limit {limit / GIB:.3g} GiB (RLIMIT_DATA)"
+    return (f"memory limit {gib:g} GiB, RLIMIT_DATA {limit / GIB:.3g} GiB with "
+            f"{stacks / GIB:.2g} GiB of thread stacks")
 
 
 def is_out_of_memory(error: BaseException) -> bool:

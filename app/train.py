@@ -91,7 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(label)
         # Before TensorFlow's allocator takes any memory: the limit holds from there.
         if config.runtime.memory_limit_gib:
-            log.info("%s", memory.apply_limit(config.runtime.memory_limit_gib))
+            stacks = memory.thread_stacks(config.runtime.intra_op_threads,
+                                          config.runtime.inter_op_threads)
+            log.info("%s", memory.apply_limit(config.runtime.memory_limit_gib, stacks))
         task = role(cluster)
         if task == "evaluate":
             if args.workdir is None:
