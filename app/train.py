@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {memory.message(e, label, config.runtime.memory_limit_gib)}",
               file=sys.stderr)
-        return memory.EXIT_CODE
+        # At once: a chief whose ps ran out returned from here into a segfault (-11)
+        # at the interpreter's exit, its cluster's threads still running.
+        exit_now(memory.EXIT_CODE)
     print(trainer.summary_line(metrics))
     return 0
 
