@@ -21,10 +21,9 @@ built). On that:
 
 Against docs/recommender_large.json (2 ps, 2 workers, 2.0 GiB of tables and
 2.0 GiB of Adagrad slots; peak RSS per task type), `python -m app.plan --config
-configs/recommender_large.toml --ps 2` predicts ps 2.9 GiB (measured 3.2 GiB,
-11% under), worker 603 MiB (measured 814 MiB, 26% under: the rest is the
-worker's runtime, not modelled), chief 8.6 GiB (measured 8.4 GiB, 3% over,
-the factor being fitted to it).
+configs/recommender_large.toml --ps 2` predicts ps 3.0 GiB (measured 3.2 GiB,
+7% under), worker 703 MiB (measured 814 MiB, 14% under), chief 8.7 GiB
+(measured 8.4 GiB, 4% over, the factor being fitted to it).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from app.parameter_server import human_size
 # The chief's peak over its model's variable bytes under parameter servers: the
 # local copy, the shards read from the ps tasks, their concatenation and the
 # export's copy. Not derived: fitted to the 8.6 GB measured with 2.0 GiB of
-# tables (docs/recommender_large.json), 4 x 2.0 GiB + 0.6 GiB baseline.
+# tables (docs/recommender_large.json): 4 x 2.0 GiB + 0.7 GiB baseline.
 CHIEF_COPIES = 4
 # Tried in turn for "how many ps tasks would fit".
 MAX_PS = 256
