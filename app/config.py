@@ -16,6 +16,10 @@ from typing import Any
 
 import tomllib
 
+# The smallest runtime.memory_limit_gib: TensorFlow's import alone holds 0.6 GiB
+# resident (app/memory.py), and a task builds a model and a batch besides.
+MIN_MEMORY_LIMIT_GIB = 1.0
+
 
 class ConfigError(ValueError):
     """A user-facing configuration mistake. The message names the field and the fix."""
@@ -144,6 +148,13 @@ class RuntimeConfig:
     # Ops run at once (0 = TensorFlow's default). launch.local sets it to
     # workers + 1 unless given: fewer can deadlock a ps serving every worker.
     inter_op_threads: int = field(0, minimum=0)
+    # The memory each task may use, in GiB (0 = no limit): set in each task's
+    # own process before TensorFlow starts, as RLIMIT_DATA (app/memory.py says
+    # why not a cgroup or RLIMIT_AS). A task that outgrows it stops with exit
+    # code 5, naming itself and the limit. app.plan and launch.local refuse a
+    # cluster whose predicted peak per task exceeds it; give the launcher's
+    # resources the same limit (launch/k8s, launch/slurm/train.sbatch).
+    memory_limit_gib: float = field(0.0, minimum=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,6 +310,12 @@ def validate(config: Config) -> None:
     for section in dataclasses.fields(config):
         if section.name != "task":
             check_section(section.name, getattr(config, section.name))
+    limit = config.runtime.memory_limit_gib
+    if 0 < limit < MIN_MEMORY_LIMIT_GIB:
+        raise ConfigError(
+            f"runtime.memory_limit_gib = {limit:g} is below the {MIN_MEMORY_LIMIT_GIB:g} GiB "
+            "a task needs to start TensorFlow at all (app/memory.py); give at least "
+            f"{MIN_MEMORY_LIMIT_GIB:g}, or 0 for no limit")
     if not config.task.name:
         raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
                           "path like 'my_package.my_module:MyTask'")

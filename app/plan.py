@@ -36,8 +36,10 @@ import argparse
 import dataclasses
 import math
 import sys
+from typing import Any
 
 from app import config as cfg
+from app import plan_memory
 from app.parameter_server import Placement, Shard, base_name, human_size
 
 
@@ -57,12 +59,23 @@ class Traffic:
                 for n, e in zip(self.read_bytes, extra, strict=True)]
 
 
-def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
-    """The placement and per-step traffic of `config` on `num_ps` ps tasks."""
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """A config's model and optimizer, built locally, and every variable in the
+    order it was created: what `place` spreads over any number of ps tasks."""
+    config: cfg.Config
+    task: Any
+    model: Any
+    optimizer: Any
+    created: list
+
+
+def build(config: cfg.Config) -> Built:
+    """Build `config`'s model and optimizer, recording every variable's creation."""
     import tensorflow as tf
 
-    from app import parameter_server, trainer
     from app import task as tasks
+    from app import trainer
 
     created: list[tf.Variable] = []
 
@@ -76,6 +89,20 @@ def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
         model = task.build_model()
         optimizer = trainer.optimizer(config, task, steps_per_epoch=1)
         optimizer.build(model.trainable_variables)
+    return Built(config, task, model, optimizer, created)
+
+
+def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:
+    """The placement and per-step traffic of `config` on `num_ps` ps tasks."""
+    return place(build(config), num_ps)
+
+
+def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
+    """The placement and per-step traffic of the built model on `num_ps` ps tasks."""
+    from app import parameter_server
+
+    config, task, model, optimizer, created = (
+        built.config, built.task, built.model, built.optimizer, built.created)
     partitioner = parameter_server.partitioner(config.ps, num_ps)
     trainable = {id(v) for v in model.trainable_variables}
     slots = _slots(optimizer, model.trainable_variables)
@@ -247,7 +274,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="workers sharing the steps (for --link)")
     parser.add_argument("--link", metavar="RATE",
                         help="each task's link, e.g. 1gbit: the least time a step can take")
+    parser.add_argument("--memory-limit-gib", type=float, metavar="GIB",
+                        help="same as --set runtime.memory_limit_gib=GIB: exit 2 if a task's "
+                             "predicted peak memory exceeds it")
     args = parser.parse_args(argv)
+    if args.memory_limit_gib is not None:
+        args.set.append(f"runtime.memory_limit_gib={args.memory_limit_gib}")
     try:
         config = cfg.load(args.config, args.set)
         if args.ps < 0:
@@ -255,10 +287,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.workers < 1:
             raise cfg.ConfigError(f"--workers {args.workers}: need at least 1 worker")
         rate_bits = _link_rate(args.link)
+        built = build(config)
+        limit = config.runtime.memory_limit_gib
+        peaks = plan_memory.check(built, args.ps, args.workers, limit)
         if args.ps == 0:
             print_allreduce(config, args.workers, args.link, rate_bits)
+            print("\n".join(plan_memory.report(peaks, limit)))
             return 0
-        placement, traffic = predict(config, args.ps)
+        placement, traffic = place(built, args.ps)
     except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -274,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
               "with an int64 id per row each way")
     if rate_bits:
         print_bound(traffic, args.workers, args.link, rate_bits)
+    print("\n".join(plan_memory.report(peaks, limit)))
     return 0
 
 

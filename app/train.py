@@ -20,6 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 from app import cluster as clusters  # noqa: E402
 from app import config as cfg  # noqa: E402
+from app import memory  # noqa: E402
 from app import workdir as workdirs  # noqa: E402
 
 log = logging.getLogger("app")
@@ -78,6 +79,7 @@ def exit_now(code: int) -> typing.NoReturn:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
+    label = "local"
     try:
         config = cfg.load(args.config, overrides)
         # Read once, when TensorFlow starts (below, after all checks).
@@ -85,7 +87,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = (
             "true" if config.runtime.cpu_allocator == "bfc" else "false")
         cluster = clusters.read()
-        setup_logging(cluster.label if cluster else "local")
+        label = cluster.label if cluster else "local"
+        setup_logging(label)
+        # Before TensorFlow's allocator takes any memory: the limit holds from there.
+        if config.runtime.memory_limit_gib:
+            stacks = memory.thread_stacks(config.runtime.intra_op_threads,
+                                          config.runtime.inter_op_threads)
+            log.info("%s", memory.apply_limit(config.runtime.memory_limit_gib, stacks))
         task = role(cluster)
         if task == "evaluate":
             if args.workdir is None:
@@ -128,6 +136,14 @@ def main(argv: list[str] | None = None) -> int:
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except Exception as e:
+        if not memory.is_out_of_memory(e):
+            raise
+        print(f"error: {memory.message(e, label, config.runtime.memory_limit_gib)}",
+              file=sys.stderr)
+        # At once: a chief whose ps ran out returned from here into a segfault (-11)
+        # at the interpreter's exit, its cluster's threads still running.
+        exit_now(memory.EXIT_CODE)
     print(trainer.summary_line(metrics))
     return 0
 

@@ -8,8 +8,9 @@ exit code of the lead task: the chief, or worker 0 when there are no ps
 when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
-after any exit code but 2 (a configuration or storage error): 203 is a lost
-task, 204 a preemption whose backup was saved (app/preemption.py). With
+after any exit code but 2 (a configuration or storage error) and 5 (a task out
+of its memory limit, `--memory-limit-gib`, app/memory.py): 203 is a lost task,
+204 a preemption whose backup was saved (app/preemption.py). With
 `--restart task` only the failed task is relaunched (each up to
 `--max-restarts` times, 3 unless given), as Kubernetes restarts one pod
 (launch/tasks.py), and the others keep running. SIGTERM to
@@ -21,6 +22,11 @@ relaunching.
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
     python -m launch.local --workers 2 --ps 1 --evaluator --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 1 --restart task --config configs/mnist_ps.toml
+    python -m launch.local --workers 2 --ps 2 --memory-limit-gib 4 --config configs/mnist_ps.toml
+
+With `--memory-limit-gib` (or runtime.memory_limit_gib in the config) the
+launcher first runs `app.plan`'s memory check of the cluster shape and starts
+nothing if a task's predicted peak exceeds the limit (exit 2).
 
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
 where every task has a link of its own (launch/network.py says how, and what
@@ -37,12 +43,14 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import portpicker
 
+from app import config as cfg
 from app.workdir import default_path
 from launch import network
 from launch.inprocess import cluster_spec
@@ -177,6 +185,38 @@ def task_labels(args: argparse.Namespace) -> list[str]:
     return labels + [f"ps:{i}" for i in range(args.ps)]
 
 
+def check_memory(args: argparse.Namespace, train_args: list[str]) -> int:
+    """When the tasks' config sets runtime.memory_limit_gib, `app.plan`'s check of
+    this cluster shape against it, in a process of its own (it builds the model,
+    which the launcher should not hold while the tasks run); 0, or 2 with the
+    plan's error printed when a task's predicted peak exceeds the limit."""
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--config")
+    known.add_argument("--set", action="append", default=[])
+    given, _ = known.parse_known_args(train_args)
+    try:
+        limit = cfg.load(given.config, given.set).runtime.memory_limit_gib
+    except cfg.ConfigError:
+        return 0  # every task reports it, with exit code 2
+    if not limit:
+        return 0
+    command = [sys.executable, "-m", "app.plan", "--ps", str(args.ps),
+               "--workers", str(args.workers)]
+    command += [arg for s in given.set for arg in ("--set", s)]
+    command += ["--config", given.config] if given.config else []
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if done.returncode:
+        errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+        print("\n".join(errors) or done.stderr, file=sys.stderr, flush=True)
+        return done.returncode
+    lines = done.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("predicted peak memory"))
+    announce(f"predicted peak memory per task, each within runtime.memory_limit_gib = "
+             f"{limit:g} GiB: {', '.join(' '.join(line.split()) for line in lines[first + 1:])}")
+    return 0
+
+
 def parse_network(args: argparse.Namespace) -> None:
     """Read --link and --partition into args.link (a Link or None), args.link_text
     and args.partitions; ValueError naming the flag and the fix."""
@@ -216,9 +256,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
     parser.add_argument("--max-restarts", type=int,
                         help="relaunch up to N times after a failure (any exit code but 2, "
-                             "a configuration or storage error); training resumes from the "
-                             "workdir's backup. Default: 0 with --restart job, 3 with "
-                             "--restart task")
+                             "a configuration or storage error, and 5, out of memory); "
+                             "training resumes from the workdir's backup. Default: 0 with "
+                             "--restart job, 3 with --restart task")
     parser.add_argument("--restart", choices=("job", "task"), default="job",
                         help="what a failure relaunches: every task (job, like torchrun; the "
                              "default) or the failed task alone, with its TF_CONFIG and port "
@@ -233,6 +273,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --link: cut TASK off the network SECONDS after every task "
                              "serves, for DURATION seconds or to the end (e.g. worker:1@40+30); "
                              "a relaunch after a failure runs without it")
+    parser.add_argument("--memory-limit-gib", type=float, metavar="GIB",
+                        help="limit every task's memory to GIB (runtime.memory_limit_gib, "
+                             "app/memory.py); the cluster is not started if app.plan predicts "
+                             "a task's peak above it")
     argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
     if args.max_restarts is None:  # naming a restart policy asks for restarts
@@ -248,6 +292,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     if args.link and (code := enter_network(argv)) is not None:
+        return code
+    if args.memory_limit_gib is not None:  # the tasks' own flag, so that each applies it
+        train_args += ["--set", f"runtime.memory_limit_gib={args.memory_limit_gib}"]
+    if code := check_memory(args, train_args):  # before any task starts
         return code
     if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
         train_args += ["--workdir", str(default_path())]

@@ -14,7 +14,7 @@ import yaml
 
 from app import cluster as clusters
 from app import config as cfg
-from app import preemption, strategy, train
+from app import memory, preemption, strategy, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "launch" / "k8s"
@@ -101,6 +101,19 @@ def test_all_pods_share_one_workdir_on_the_shared_volume(manifest):
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], rt
         workdirs.add(workdir)
     assert len(workdirs) == 1
+
+
+@pytest.mark.parametrize("manifest", ["tfjob-ps.yaml", "tfjob-sync.yaml"])
+def test_every_pod_stops_at_its_own_memory_limit_before_the_kernel_kills_it(manifest):
+    # The task's limit (RLIMIT_DATA) counts its data, the pod's cgroup its resident
+    # pages too: 0.5 GiB between them lets the task name the error (exit 5) first.
+    for rt, _, spec in pods(load(manifest)):
+        c = container(spec)
+        pod_gib = int(c["resources"]["limits"]["memory"].removesuffix("Gi"))
+        assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"], rt
+        config = cfg.load(None, [a for a in c["args"] if a.startswith("runtime.")])
+        assert config.runtime.memory_limit_gib == pod_gib - 0.5, rt
+    assert memory.EXIT_CODE < 128  # the operator fails the job: the same limit fails again
 
 
 @pytest.mark.parametrize("job_name", ["ps", "sync"])

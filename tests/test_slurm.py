@@ -86,6 +86,17 @@ def test_sbatch_parameter_server_roles(tmp_path):
     assert command[command.index("--config") + 1] == "configs/mnist_ps.toml"
 
 
+@pytest.mark.parametrize("extra_env, limit", [
+    ({}, None),
+    ({"SLURM_MEM_PER_CPU": "2048", "SLURM_CPUS_PER_TASK": "2"}, "3.5"),  # sbatch --mem-per-cpu=2G
+    ({"SLURM_MEM_PER_CPU": "2048", "MEMORY_LIMIT_GIB": "1.5"}, "1.5"),
+])
+def test_sbatch_gives_each_task_a_memory_limit_under_slurms(tmp_path, extra_env, limit):
+    for rank in run_sbatch(tmp_path, extra_env):
+        given = [a for a in rank["command"] if a.startswith("runtime.memory_limit_gib=")]
+        assert given == ([f"runtime.memory_limit_gib={limit}"] if limit else []), rank
+
+
 def test_sbatch_synchronous_roles(tmp_path):
     ranks = run_sbatch(tmp_path, {"PS": "0", "CONFIG": "configs/mnist_sync.toml"})
     seen = [clusters.parse(json.dumps(r["TF_CONFIG"])) for r in ranks]

@@ -1,0 +1,123 @@
+"""The peak memory `app.plan` predicts for every task of a cluster, and the check
+that refuses, before any process starts, a cluster shape that cannot fit
+`runtime.memory_limit_gib` (`python -m app.plan --memory-limit-gib`, and
+`launch.local` when a limit is set).
+
+Every task starts at `memory.BASELINE_BYTES` (TensorFlow imported, nothing
+built). On that:
+
+- a ps task holds its shards of the variables and their optimizer slots, and
+  once more its largest shard, which is initialised into a temporary tensor and
+  then assigned;
+- a worker holds what a step reads (the dense variables whole, the rows a batch
+  looks up in a table), their gradients (as much again), and two batches (the
+  one in the step and one prefetched);
+- the chief, under parameter servers, holds `CHIEF_COPIES` times the model's
+  variables (no slots): it builds a local copy of the whole model for
+  evaluation and the export and fills it from the ps tasks (issue 28 items 1-2
+  remove that copy; this term goes with it);
+- a MultiWorkerMirrored worker (`--ps 0`) holds every variable and slot, the
+  gradients, and two batches.
+
+Against docs/recommender_large.json (2 ps, 2 workers, 2.0 GiB of tables and
+2.0 GiB of Adagrad slots; peak RSS per task type), `python -m app.plan --config
+configs/recommender_large.toml --ps 2` predicts ps 3.0 GiB (measured 3.2 GiB,
+7% under), worker 703 MiB (measured 814 MiB, 14% under), chief 8.7 GiB
+(measured 8.4 GiB, 4% over, the factor being fitted to it).
+"""
+
+from __future__ import annotations
+
+import math
+
+from app import config as cfg
+from app import memory
+from app.parameter_server import human_size
+
+# The chief's peak over its model's variable bytes under parameter servers: the
+# local copy, the shards read from the ps tasks, their concatenation and the
+# export's copy. Not derived: fitted to the 8.6 GB measured with 2.0 GiB of
+# tables (docs/recommender_large.json): 4 x 2.0 GiB + 0.7 GiB baseline.
+CHIEF_COPIES = 4
+# Tried in turn for "how many ps tasks would fit".
+MAX_PS = 256
+
+
+def batch_bytes(built) -> int:
+    """Bytes of one training batch of train.global_batch_size, read from the
+    training dataset's element spec (0 where the task cannot build one here)."""
+    import tensorflow as tf
+
+    batch = built.config.train.global_batch_size
+    try:
+        spec = built.task.train_dataset(tf.distribute.InputContext(), batch).element_spec
+    except Exception:  # noqa: BLE001 - a task whose data is not reachable from here
+        return 0
+    total = 0
+    for leaf in tf.nest.flatten(spec):
+        dims = [batch if d is None else d for d in leaf.shape.as_list()]
+        total += math.prod(dims) * leaf.dtype.size
+    return total
+
+
+def peaks(built, placement, traffic, num_workers: int) -> dict[str, int]:
+    """{"ps:0": bytes, ..., "worker": bytes, "chief": bytes}: each task's predicted peak
+    (every worker alike); with no ps, {"worker": bytes} of MultiWorkerMirrored."""
+    base = memory.BASELINE_BYTES
+    batches = 2 * batch_bytes(built)
+    if placement is None:  # MultiWorkerMirrored: every worker holds everything
+        every = sum(v.shape.num_elements() * v.dtype.size for v in built.created)
+        trainable = sum(v.shape.num_elements() * v.dtype.size
+                        for v in built.model.trainable_variables)
+        return {"worker": base + every + trainable + batches}
+    out = {}
+    for i in range(placement.num_ps):
+        held = [s.bytes for s in placement.shards if s.ps_task == i]
+        out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
+    out["worker"] = base + 2 * sum(traffic.read_bytes) + batches
+    model = sum(v.shape.num_elements() * v.dtype.size for v in built.model.variables)
+    out["chief"] = base + CHIEF_COPIES * model
+    return out
+
+
+def check(built, num_ps: int, num_workers: int, limit_gib: float) -> dict[str, int]:
+    """Each task's predicted peak; ConfigError naming the first task over
+    `limit_gib`, its peak, and how many ps tasks would fit (if any would)."""
+    from app import plan
+
+    placement, traffic = plan.place(built, num_ps) if num_ps else (None, None)
+    predicted = peaks(built, placement, traffic, num_workers)
+    limit = limit_gib * memory.GIB
+    over = [(task, nbytes) for task, nbytes in predicted.items() if nbytes > limit]
+    if not limit_gib or not over:
+        return predicted
+    # A chief or worker over the limit is not helped by more ps tasks: name it first.
+    stuck = [(t, b) for t, b in over if not t.startswith("ps:")]
+    task, nbytes = max(stuck or over, key=lambda item: item[1])
+    head = (f"{task} would peak at {human_size(nbytes)}, over runtime.memory_limit_gib = "
+            f"{limit_gib:g} GiB ({human_size(round(limit))}), "
+            f"{num_ps} ps and {num_workers} worker(s)")
+    if not num_ps:
+        raise cfg.ConfigError(f"{head}: every MultiWorkerMirrored worker holds the whole "
+                              "model and its slots; raise the limit, or train with ps tasks")
+    if stuck:
+        raise cfg.ConfigError(
+            f"{head}: no number of ps tasks fits, since the {task} holds "
+            f"{'the whole model for evaluation and export' if task == 'chief' else 'its step'}"
+            f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
+    for more in range(num_ps + 1, MAX_PS + 1):
+        ps_peaks = peaks(built, *plan.place(built, more), num_workers)
+        if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
+            raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
+                                  "the limit")
+    raise cfg.ConfigError(f"{head}: not even {MAX_PS} ps tasks fit (a shard larger than the "
+                          "limit: lower ps.shard_bytes or use ps.partitioner = \"max_size\"); "
+                          "raise the limit")
+
+
+def report(predicted: dict[str, int], limit_gib: float) -> list[str]:
+    """Lines of each task's predicted peak, beside the limit."""
+    limit = f"runtime.memory_limit_gib = {limit_gib:g}" if limit_gib else "no memory limit"
+    lines = [f"predicted peak memory per task ({human_size(memory.BASELINE_BYTES)} of it "
+             f"TensorFlow's own, app/plan_memory.py; {limit}):"]
+    return lines + [f"  {task:<8} {human_size(nbytes):>10}" for task, nbytes in predicted.items()]

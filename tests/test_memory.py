@@ -1,0 +1,109 @@
+"""The memory limit per task (app/memory.py) and app.plan's check against it
+(app/plan_memory.py): a process over its limit fails with the named error and exit
+code 5; a cluster shape that cannot fit is refused before anything starts."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from app import config as cfg
+from app import memory, plan, plan_memory
+from launch import local, tasks
+
+# The recommender at 15% of Criteo's table sizes: 5.1M rows of 16 floats
+# (309 MiB) and as much again of Adagrad's accumulators: built here in a second.
+SMALL_TABLES = ["task.table_scale=0.15", "task.train_examples=1000",
+                "task.test_examples=1000"]
+QUIET = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+
+def test_an_allocation_past_the_limit_fails_in_the_process_not_the_machine():
+    # RLIMIT_DATA counts numpy's mmap'd arrays: the 2nd GiB fails at a 1.5 GiB limit.
+    script = ("import numpy as np\n"
+              "from app import memory\n"
+              "memory.apply_limit(1.5)\n"
+              "held = [np.ones(1 << 27) for _ in range(2)]  # 1 GiB each\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=QUIET, timeout=60)
+    assert done.returncode == 1 and "MemoryError" in done.stderr, done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
+    # 40% of Criteo's table sizes (0.8 GiB of tables, as much of slots) under a 1 GiB
+    # limit, one process. With malloc as TensorFlow's allocator: the BFC pool (the
+    # default) waits 10 s for memory to be freed before it fails (app/memory.py).
+    done = subprocess.run(
+        [sys.executable, "-m", "app.train", "--config", "configs/recommender.toml",
+         "--set", "runtime.memory_limit_gib=1", "--set", "task.table_scale=0.4",
+         "--set", "runtime.onednn=false", "--set", "runtime.cpu_allocator=malloc",
+         *[arg for s in SMALL_TABLES[1:] for arg in ("--set", s)],
+         "--workdir", str(tmp_path / "run")],
+        capture_output=True, text=True, env=QUIET, timeout=120)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == memory.EXIT_CODE, done.stderr[-3000:]
+    assert last.startswith("error: local ran out of its memory limit "
+                           "(runtime.memory_limit_gib = 1 GiB), allocating a tensor of "
+                           "shape ["), last
+    assert last.endswith("raise the limit, or add ps tasks to spread the tables (python -m "
+                         "app.plan --memory-limit-gib 1 says how many); exit code 5"), last
+
+
+def test_the_error_names_the_task_tensorflow_could_not_allocate_on():
+    class ResourceExhaustedError(Exception):  # TensorFlow's, matched by name
+        pass
+
+    error = ResourceExhaustedError(
+        "OOM when allocating tensor with shape[1000,16] and type float on "
+        "/job:ps/replica:0/task:1/device:CPU:0 by allocator mklcpu")
+    assert memory.is_out_of_memory(error) and memory.is_out_of_memory(MemoryError())
+    assert not memory.is_out_of_memory(ValueError("OOM"))
+    assert not memory.is_out_of_memory(ResourceExhaustedError("grpc: message larger than max"))
+    gpu = ResourceExhaustedError(error.args[0].replace("CPU", "GPU"))
+    assert memory.message(gpu, "chief:0", 4).startswith("ps:1 ran out of GPU memory, ")
+    assert memory.message(error, "chief:0", 4).startswith(
+        "ps:1 ran out of its memory limit (runtime.memory_limit_gib = 4 GiB), allocating a "
+        "tensor of shape [1000,16]; raise the limit")
+    assert tasks.exit_text(memory.EXIT_CODE) == (
+        "5 (out of its memory limit, runtime.memory_limit_gib)")
+    assert memory.EXIT_CODE in tasks.NOT_RETRIED  # the same limit would fail again
+
+
+@pytest.fixture(scope="module")
+def small_tables():
+    return plan.build(cfg.load("configs/recommender.toml", SMALL_TABLES))
+
+
+def test_plan_refuses_a_chief_that_holds_the_whole_model(small_tables):
+    # The chief's copy for evaluation and export: 4 x 309 MiB + 700 MiB > 1 GiB.
+    with pytest.raises(cfg.ConfigError) as e:
+        plan_memory.check(small_tables, num_ps=4, num_workers=2, limit_gib=1)
+    assert str(e.value).startswith(
+        "chief would peak at 1.9 GiB, over runtime.memory_limit_gib = 1 GiB (1.0 GiB), 4 ps and "
+        "2 worker(s): no number of ps tasks fits, since the chief holds the whole model for "
+        "evaluation and export; raise the limit to at least 1.9 GiB"), e.value
+
+
+def test_plan_names_how_many_ps_tasks_would_fit(small_tables, monkeypatch):
+    monkeypatch.setattr(plan_memory, "CHIEF_COPIES", 0)  # as once issue 28's items 1-2 land
+    with pytest.raises(cfg.ConfigError) as e:
+        plan_memory.check(small_tables, num_ps=1, num_workers=2, limit_gib=1)
+    assert str(e.value).startswith("ps:0 would peak at 1.4 GiB, over runtime.memory_limit_gib "
+                                   "= 1 GiB"), e.value
+    assert str(e.value).endswith(": 3 ps tasks would fit (--ps 3), or raise the limit")
+    fits = plan_memory.check(small_tables, num_ps=3, num_workers=2, limit_gib=1)
+    assert set(fits) == {"ps:0", "ps:1", "ps:2", "worker", "chief"}
+    assert all(nbytes <= memory.GIB for nbytes in fits.values()), fits
+
+
+@pytest.mark.slow
+def test_the_launcher_starts_nothing_when_a_task_cannot_fit(capfd):
+    code = local.main(["--workers", "2", "--ps", "1", "--memory-limit-gib", "1",
+                       "--config", "configs/recommender.toml",
+                       *[arg for s in SMALL_TABLES for arg in ("--set", s)]])
+    out, err = capfd.readouterr()
+    assert code == 2, out + err
+    assert "error: chief would peak at 1.9 GiB, over runtime.memory_limit_gib = 1 GiB" in err
+    assert "started" not in out, out
