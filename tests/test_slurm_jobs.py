@@ -100,7 +100,7 @@ def mwms_job(slurm, tmp_path_factory) -> tuple[str, pathlib.Path, pathlib.Path]:
 def test_parameter_server_job_requeued_mid_epoch_resumes_and_completes(slurm, mwms_job,
                                                                          tmp_path):
     """`scontrol requeue` in epoch 2 of 2: SLURM sends SIGTERM to every task, the chief
-    saves its backup and exits 4; the job comes back under the same id, hence the same
+    saves its backup and exits EXIT_CODE (204); the job comes back under the same id, hence the same
     WORKDIR, resumes from the backup and finishes; no epoch is trained twice."""
     workdir, out = tmp_path / "work", tmp_path / "job.out"
     job_id = submit(slurm, out, ["--ntasks=3"],
