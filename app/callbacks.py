@@ -160,6 +160,9 @@ class HistoryRecord(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self._rows = json.loads(self.path.read_text()) if self.path.exists() else []
         self._first = None
+        # A run resumed from a backup of its last epoch's end trains no epoch: all of them
+        # are earlier (a SIGTERM that reached the chief as that epoch ended).
+        self.earlier = list(self._rows)
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._first is None:

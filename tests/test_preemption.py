@@ -88,6 +88,19 @@ def test_history_rows_of_epochs_a_resumed_run_redoes_are_dropped(tmp_path):
     assert not path.exists()
 
 
+def test_a_run_resumed_after_its_last_epoch_reports_every_earlier_row(tmp_path):
+    # Preempted as the last epoch ended: its backup holds every epoch, the rerun trains none.
+    path = tmp_path / "backup" / "history.json"
+    path.parent.mkdir()
+    rows = [{"epoch": 1, "loss": 0.5}, {"epoch": 2, "loss": 0.4}]
+    path.write_text(json.dumps(rows))
+    record = callbacks.HistoryRecord(path)
+    record.set_model(_model_on(tf.distribute.get_strategy()))
+    record.on_train_begin()
+    record.on_train_end()
+    assert record.earlier == rows
+
+
 def test_step_log_counts_from_the_runs_start_across_epochs(caplog):
     log = callbacks.StepLog(every=5)
     log.set_params({"steps": 8})
