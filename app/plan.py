@@ -288,13 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             raise cfg.ConfigError(f"--workers {args.workers}: need at least 1 worker")
         rate_bits = _link_rate(args.link)
         built = build(config)
+        placement, traffic = place(built, args.ps) if args.ps else (None, None)
         limit = config.runtime.memory_limit_gib
-        peaks = plan_memory.check(built, args.ps, args.workers, limit)
+        peaks = plan_memory.check(built, args.ps, args.workers, limit,
+                                  placed=(placement, traffic))
         if args.ps == 0:
             print_allreduce(config, args.workers, args.link, rate_bits)
             print("\n".join(plan_memory.report(peaks, limit)))
             return 0
-        placement, traffic = place(built, args.ps)
     except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,33 +60,37 @@ def batch_bytes(built) -> int:
     return total
 
 
-def peaks(built, placement, traffic, num_workers: int) -> dict[str, int]:
+def _bytes(variables) -> int:
+    return sum(v.shape.num_elements() * v.dtype.size for v in variables)
+
+
+def peaks(built, placement, traffic) -> dict[str, int]:
     """{"ps:0": bytes, ..., "worker": bytes, "chief": bytes}: each task's predicted peak
     (every worker alike); with no ps, {"worker": bytes} of MultiWorkerMirrored."""
     base = memory.BASELINE_BYTES
     batches = 2 * batch_bytes(built)
     if placement is None:  # MultiWorkerMirrored: every worker holds everything
-        every = sum(v.shape.num_elements() * v.dtype.size for v in built.created)
-        trainable = sum(v.shape.num_elements() * v.dtype.size
-                        for v in built.model.trainable_variables)
+        every, trainable = _bytes(built.created), _bytes(built.model.trainable_variables)
         return {"worker": base + every + trainable + batches}
     out = {}
     for i in range(placement.num_ps):
         held = [s.bytes for s in placement.shards if s.ps_task == i]
         out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
     out["worker"] = base + 2 * sum(traffic.read_bytes) + batches
-    model = sum(v.shape.num_elements() * v.dtype.size for v in built.model.variables)
-    out["chief"] = base + CHIEF_COPIES * model
+    out["chief"] = base + CHIEF_COPIES * _bytes(built.model.variables)
     return out
 
 
-def check(built, num_ps: int, num_workers: int, limit_gib: float) -> dict[str, int]:
+def check(built, num_ps: int, num_workers: int, limit_gib: float,
+          placed: tuple | None = None) -> dict[str, int]:
     """Each task's predicted peak; ConfigError naming the first task over
-    `limit_gib`, its peak, and how many ps tasks would fit (if any would)."""
+    `limit_gib`, its peak, and how many ps tasks would fit (if any would).
+    `placed`: `plan.place(built, num_ps)` when the caller has it already."""
     from app import plan
 
-    placement, traffic = plan.place(built, num_ps) if num_ps else (None, None)
-    predicted = peaks(built, placement, traffic, num_workers)
+    if placed is None:
+        placed = plan.place(built, num_ps) if num_ps else (None, None)
+    predicted = peaks(built, *placed)
     limit = limit_gib * memory.GIB
     over = [(task, nbytes) for task, nbytes in predicted.items() if nbytes > limit]
     if not limit_gib or not over:
@@ -106,7 +110,7 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float) -> dict[str, i
             f"{'the whole model for evaluation and export' if task == 'chief' else 'its step'}"
             f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
     for more in range(num_ps + 1, MAX_PS + 1):
-        ps_peaks = peaks(built, *plan.place(built, more), num_workers)
+        ps_peaks = peaks(built, *plan.place(built, more))
         if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
             raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
                                   "the limit")

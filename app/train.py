@@ -76,6 +76,31 @@ def exit_now(code: int) -> typing.NoReturn:
     os._exit(code)
 
 
+def limit_memory(runtime: cfg.RuntimeConfig) -> None:
+    """`runtime.memory_limit_gib` on this process, before TensorFlow's allocator takes
+    any memory: the limit holds from there."""
+    if runtime.memory_limit_gib:
+        stacks = memory.thread_stacks(runtime.intra_op_threads, runtime.inter_op_threads)
+        log.info("%s", memory.apply_limit(runtime.memory_limit_gib, stacks))
+
+
+def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
+    """A ps or worker task of a parameter-server cluster: serve the chief, then exit."""
+    # TensorFlow starts here, after all checks.
+    from app import parameter_server, preemption
+
+    stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
+    # Returns once the chief has finished; raises TaskLost (a chief that does not
+    # come back) or Preempted (SIGTERM), exit codes schedulers retry.
+    try:
+        parameter_server.serve(cluster, config.runtime,
+                               wait_s=config.cluster.connect_timeout_s, stopping=stopping)
+    except clusters.TaskLost as e:
+        print(f"error: {e}", file=sys.stderr)
+        exit_now(e.exit_code)
+    exit_now(0)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
@@ -89,11 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         cluster = clusters.read()
         label = cluster.label if cluster else "local"
         setup_logging(label)
-        # Before TensorFlow's allocator takes any memory: the limit holds from there.
-        if config.runtime.memory_limit_gib:
-            stacks = memory.thread_stacks(config.runtime.intra_op_threads,
-                                          config.runtime.inter_op_threads)
-            log.info("%s", memory.apply_limit(config.runtime.memory_limit_gib, stacks))
+        limit_memory(config.runtime)
         task = role(cluster)
         if task == "evaluate":
             if args.workdir is None:
@@ -106,20 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0
         if task == "serve":
-            # TensorFlow starts here, after all checks.
-            from app import parameter_server, preemption
-
-            stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
-            # Returns once the chief has finished; raises TaskLost (a chief that does not
-            # come back) or Preempted (SIGTERM), exit codes schedulers retry.
-            try:
-                parameter_server.serve(cluster, config.runtime,
-                                       wait_s=config.cluster.connect_timeout_s,
-                                       stopping=stopping)
-            except clusters.TaskLost as e:
-                print(f"error: {e}", file=sys.stderr)
-                exit_now(e.exit_code)
-            exit_now(0)
+            serve(cluster, config)
         from app import task as tasks  # TensorFlow starts here (and the task's own code).
 
         task, config = tasks.create(config)

@@ -100,6 +100,13 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
     return tasks, links
 
 
+def close_links(links: network.Links | None) -> None:
+    """Stop the links' scheduled cuts and report the bytes each task's link carried."""
+    if links:
+        links.cancel()
+        announce(f"bytes through each task's link: {links.report()}")
+
+
 def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, bool]:
     """Start every task, wait for the lead one; (its exit code, whether a worker failed).
 
@@ -123,9 +130,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
             task.finish()
         raise
     finally:
-        if links:
-            links.cancel()
-            announce(f"bytes through each task's link: {links.report()}")
+        close_links(links)
     if failed is not None:
         announce(f"{failed.label} exited with {exit_text(failed.process.returncode)}; "
                  "stopping the others")
@@ -173,9 +178,7 @@ def run_alone(args: argparse.Namespace, train_args: list[str]) -> int:
     try:
         return restart_alone(tasks, lead_task(args, tasks), args.max_restarts, _TERMINATED)
     finally:
-        if links:
-            links.cancel()
-            announce(f"bytes through each task's link: {links.report()}")
+        close_links(links)
 
 
 def task_labels(args: argparse.Namespace) -> list[str]:
@@ -245,7 +248,8 @@ def enter_network(argv: list[str]) -> int | None:
     return network.run_in_namespace(["-m", "launch.local", *argv])
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """The launcher's own flags, checked (exit 2 naming the flag), and app.train's."""
     parser = argparse.ArgumentParser(prog="python -m launch.local",
                                      description=__doc__.split("\n")[0],
                                      epilog="Other arguments go to app.train, e.g. --config.")
@@ -277,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="limit every task's memory to GIB (runtime.memory_limit_gib, "
                              "app/memory.py); the cluster is not started if app.plan predicts "
                              "a task's peak above it")
-    argv = sys.argv[1:] if argv is None else list(argv)
     args, train_args = parser.parse_known_args(argv)
     if args.max_restarts is None:  # naming a restart policy asks for restarts
         args.max_restarts = TASK_RESTARTS if args.restart == "task" else 0
@@ -291,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
         parse_network(args)
     except ValueError as e:
         parser.error(str(e))
+    return args, train_args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args, train_args = parse_args(argv)
     if args.link and (code := enter_network(argv)) is not None:
         return code
     if args.memory_limit_gib is not None:  # the tasks' own flag, so that each applies it
@@ -303,20 +312,24 @@ def main(argv: list[str] | None = None) -> int:
     _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        if args.restart == "task":
-            return run_alone(args, train_args)
-        for attempt in range(args.max_restarts + 1):
-            if attempt:
-                announce(f"restart {attempt} of {args.max_restarts}")
-                if args.partitions:  # an event of the job, not of each attempt
-                    announce("the relaunched cluster runs without the --partition cuts")
-                    args.partitions = []
-            code, _ = run_cluster(args, train_args)
-            if code in NOT_RETRIED or _TERMINATED.is_set():
-                return code
-        return code
+        return (run_alone if args.restart == "task" else run_job)(args, train_args)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def run_job(args: argparse.Namespace, train_args: list[str]) -> int:
+    """`--restart job`: run the cluster, and relaunch all of it after a failure, up to
+    `--max-restarts` times; the exit code."""
+    for attempt in range(args.max_restarts + 1):
+        if attempt:
+            announce(f"restart {attempt} of {args.max_restarts}")
+            if args.partitions:  # an event of the job, not of each attempt
+                announce("the relaunched cluster runs without the --partition cuts")
+                args.partitions = []
+        code, _ = run_cluster(args, train_args)
+        if code in NOT_RETRIED or _TERMINATED.is_set():
+            return code
+    return code
 
 
 if __name__ == "__main__":

@@ -48,6 +48,16 @@ def test_small_arrays_stay_in_the_graph(tmp_path):
     assert not (tmp_path / "arrays").exists()
 
 
+def test_a_large_string_array_of_several_columns_is_refused_with_the_fix():
+    words = np.full((3000, 2), "w" * 2000, dtype=object)  # 11 MiB of text, 2 columns
+    with pytest.raises(ValueError) as e:
+        data.from_arrays(np.zeros((3000, 1000), np.float32), words)
+    assert str(e.value) == (
+        "from_arrays: a string array of shape (3000, 2) is too large for the graph and only "
+        "a column of strings (n,) or (n, 1) can go through a file; write it with "
+        "app.data.write_records")
+
+
 def test_large_arrays_of_different_lengths_are_refused_by_name():
     with pytest.raises(ValueError, match=r"different numbers of examples \(\[10, 3000\]\)"):
         data.from_arrays(np.zeros((3000, 28, 28, 1), np.float32), np.zeros(10))

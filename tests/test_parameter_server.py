@@ -254,3 +254,23 @@ def test_arrays_over_the_graph_limit_train_through_files_in_the_workdir(
     # the workers; every test example evaluated once, and learned.
     assert len(list((tmp_path / "arrays").glob("*.bin"))) == 4
     assert metrics["num_test_examples"] == 2400 and metrics["test_accuracy"] > 0.9
+
+
+class _Float16Layer(LargeArrays):
+    """A model with a layer of the task's own in the mixed_float16 policy."""
+
+    def build_model(self):
+        x = keras.Input((32, 32, 1))
+        pooled = keras.layers.GlobalAveragePooling2D(dtype="mixed_float16")(x)
+        return keras.Model(x, keras.layers.Dense(2)(pooled))
+
+
+def test_a_mixed_float16_layer_of_the_tasks_own_is_refused_by_name(ps_strategy, ps_cluster):
+    runner = runners.create(cfg.Config(), ps_cluster, ps_strategy)
+    with pytest.raises(cfg.ConfigError) as e:
+        runner.build(_Float16Layer(), keras.optimizers.SGD())
+    assert str(e.value) == (
+        "the mixed_float16 policy (train.precision, or a layer's dtype) needs loss scaling, "
+        "which Keras does not support under ParameterServerStrategy; use train.precision = "
+        "mixed_bfloat16 (no loss scaling) or float32, or a Mirrored or MultiWorkerMirrored "
+        "strategy")
