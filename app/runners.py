@@ -279,6 +279,8 @@ class AsyncPS(SingleHost):
         return ps_evaluation.evaluator(model, self.coordinator, self._workers)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        if self.straggler:
+            sync_ps.check_pairs(dataset_fn)
         dataset_fn = per_worker(dataset_fn, self._workers)
         if self.straggler:  # its train step needs to know which worker reads the batch
             dataset_fn = sync_ps.with_worker_id(dataset_fn)
@@ -352,6 +354,7 @@ class SyncPS(AsyncPS):
         return model  # the straggler sleeps in sync_ps's own step
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        sync_ps.check_pairs(dataset_fn)
         training = sync_ps.SyncTraining(
             self.coordinator, model, self._task_loss, num_workers=self._workers,
             backup_workers=self.config.ps.backup_workers, straggler=self.straggler)

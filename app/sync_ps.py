@@ -73,15 +73,21 @@ def with_worker_id(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Da
     def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         index = tf.distribute.coordinator.experimental_get_current_worker_index()
         worker = tf.cast(index, tf.int32)
-        dataset = dataset_fn(context)
-        spec = dataset.element_spec
-        if not (isinstance(spec, tuple) and len(spec) == 2):
-            raise ConfigError(
-                "ps.mode = sync and debug.slow_worker train on (features, labels) batches, and "
-                f"this task's training data yields {_elements(spec)}; use ps.mode = async "
-                "without debug.slow_worker, or MultiWorkerMirrored")
-        return dataset.map(lambda features, labels: (features, labels, worker))
+        return dataset_fn(context).map(lambda features, labels: (features, labels, worker))
     return fn
+
+
+def check_pairs(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> None:
+    """ConfigError unless `dataset_fn`'s batches are (features, labels), which the sync
+    step and the straggler's unpack. Asked on the chief before the coordinator traces
+    `dataset_fn`: an error raised while it traces reaches the user as autograph's
+    StagingError, a traceback."""
+    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    if not (isinstance(spec, tuple) and len(spec) == 2):
+        raise ConfigError(
+            "ps.mode = sync and debug.slow_worker train on (features, labels) batches, and "
+            f"this task's training data yields {_elements(spec)}; use ps.mode = async "
+            "without debug.slow_worker, or MultiWorkerMirrored")
 
 
 def _elements(spec) -> str:

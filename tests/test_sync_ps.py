@@ -148,3 +148,23 @@ def test_sync_refuses_a_loss_that_is_not_a_loss_object(ps_strategy, ps_cluster):
         "ps.mode = sync needs the task's loss as a keras.losses.Loss, and task _FunctionLoss "
         "gives a function; wrap it in keras.losses.LossFunctionWrapper or use ps.mode = async")
 
+
+
+class _Weighted(Mnist):
+    """The MNIST task whose training batches carry sample weights."""
+
+    def train_dataset(self, context, global_batch_size):
+        batches = super().train_dataset(context, global_batch_size)
+        return batches.map(lambda x, y: (x, y, tf.ones_like(y, tf.float32)))
+
+
+def test_sync_refuses_training_data_with_sample_weights_before_training(
+        ps_strategy, ps_cluster, tmp_path):
+    task = _Weighted.from_arrays(tiny_split(60), None, tiny_split(10))
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(_config("train.epochs=1"), tmp_path, strategy=ps_strategy,
+                    cluster=ps_cluster, task=task)
+    assert str(e.value) == (
+        "ps.mode = sync and debug.slow_worker train on (features, labels) batches, and this "
+        "task's training data yields (features, labels, sample weights); use ps.mode = async "
+        "without debug.slow_worker, or MultiWorkerMirrored")
