@@ -44,7 +44,7 @@ def from_arrays(*arrays) -> tf.data.Dataset:
     """
     structure = arrays if len(arrays) > 1 else arrays[0]
     flat = [np.asarray(a) for a in tf.nest.flatten(structure)]
-    if sum(a.nbytes for a in flat) <= MAX_ARRAY_BYTES:
+    if sum(map(_nbytes, flat)) <= MAX_ARRAY_BYTES:
         return tf.data.Dataset.from_tensor_slices(structure)
     counts = {len(a) for a in flat}
     if len(counts) != 1:
@@ -55,6 +55,14 @@ def from_arrays(*arrays) -> tf.data.Dataset:
     columns = tf.data.Dataset.zip(tuple(_file_column(a, directory) for a in flat))
     return columns.map(lambda *values: tf.nest.pack_sequence_as(structure, list(values)),
                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+
+
+def _nbytes(array: np.ndarray) -> int:
+    """The bytes `array` puts in a graph; an object array's `nbytes` counts only its
+    pointers, not the strings they point to."""
+    if array.dtype.kind != "O":
+        return array.nbytes
+    return sum(len(v) if isinstance(v, bytes) else len(str(v).encode()) for v in array.flat)
 
 
 def _file_column(array: np.ndarray, directory: pathlib.Path) -> tf.data.Dataset:
