@@ -5,12 +5,15 @@ makes a training task log `step S`), not after a delay: a loaded machine makes
 every run slower, never earlier or later in its own count of steps.
 """
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
+
+import portpicker
 
 STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
 
@@ -56,3 +59,19 @@ def steps_reported(output: str, task: str) -> list[int]:
     """The steps `task` logged, in order."""
     return [int(m[2]) for line in output.splitlines()
             if (m := STEP.match(line)) and m[1] == task]
+
+
+def run_workers(*args: str, timeout: float = 300) -> list[str]:
+    """`python ARGS` as both tasks of a 2-worker TF_CONFIG cluster, at once; their
+    outputs, each checked to have exited 0."""
+    workers = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
+    procs = []
+    for i in range(2):
+        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+        procs.append(subprocess.Popen([sys.executable, *args], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    for p, output in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, output[-5000:]
+    return outputs

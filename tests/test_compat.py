@@ -11,16 +11,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import compat
-import portpicker
 import pytest
 import zoo
 from conftest import one_device_reduction_mirrored
 
 from app import compatdoc
+from tests.launching import run_workers
 
 CASES = list(zoo.CASES)
 
@@ -59,17 +57,7 @@ def test_mirrored_on_two_logical_cpus(name, tmp_path):
 @pytest.mark.slow
 def test_multi_worker_mirrored_pair(tmp_path):
     # One pair of processes runs every case in turn: one cluster start-up for all.
-    workers = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
-    procs = []
-    for i in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
-        procs.append(subprocess.Popen(
-            [sys.executable, str(pathlib.Path(compat.__file__)), str(tmp_path)], env=env,
-            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [p.communicate(timeout=900)[0] for p in procs]
-    for p, output in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, output[-5000:]
+    outputs = run_workers(str(pathlib.Path(compat.__file__)), str(tmp_path), timeout=900)
     results = json.loads(outputs[0].split("RESULTS ", 1)[1].splitlines()[0])
     assert list(results) == CASES
     for name, result in results.items():

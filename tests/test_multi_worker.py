@@ -6,10 +6,9 @@ import re
 import subprocess
 import sys
 
-import portpicker
 import pytest
 
-from tests.launching import kill_on_line
+from tests.launching import kill_on_line, run_workers
 
 pytestmark = pytest.mark.slow
 
@@ -77,24 +76,8 @@ print("IDS", json.dumps({"ids": ids, "plain": options is not None}))
 """
 
 
-def run_workers(script: str, *args: str) -> list[str]:
-    """Run `script` as both tasks of a 2-worker TF_CONFIG cluster; their outputs."""
-    ports = [portpicker.pick_unused_port() for _ in range(2)]
-    workers = [f"localhost:{p}" for p in ports]
-    procs = []
-    for i in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
-        procs.append(subprocess.Popen([sys.executable, "-c", script, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, output in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, output[-3000:]
-    return outputs
-
-
 def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
-    read = [json.loads(output.split("IDS ", 1)[1]) for output in run_workers(READ_SHARD)]
+    read = [json.loads(output.split("IDS ", 1)[1]) for output in run_workers("-c", READ_SHARD)]
     assert all(r["plain"] for r in read)  # one CPU replica per worker: PER_REPLICA input
     # Batches of 5 (10 over 2 replicas); worker i reads examples i, i + 2, ...
     assert read[0]["ids"] == list(range(0, 20, 2))
@@ -134,5 +117,5 @@ print("PACKS", sum(op.type.startswith("CollectiveReduce") for op in graph.get_op
 def test_gradients_are_all_reduced_in_packs_of_sync_bytes_per_pack(bytes_per_pack, packs):
     # Reversed, the CNN's gradients are the dense layers' (12.9 MB, passing
     # 4 MiB at the big kernel), then the convolutions': two packs.
-    for output in run_workers(COUNT_PACKS, str(bytes_per_pack)):
+    for output in run_workers("-c", COUNT_PACKS, str(bytes_per_pack)):
         assert f"PACKS {packs}\n" in output, output[-3000:]
