@@ -75,12 +75,18 @@ def build(config: cfg.Config) -> Built:
     import tensorflow as tf
 
     from app import task as tasks
-    from app import trainer
+    from app import tf_internal, trainer
 
     created: list[tf.Variable] = []
 
     def record(next_creator, **kwargs):
-        var = next_creator(**kwargs)
+        # A large variable has no memory behind it, so that a model larger than this
+        # machine plans (Keras' optimizers still make each slot's initial value, one
+        # at a time, before asking); small ones keep their values, which Keras reads.
+        large = _large(kwargs)
+        var = (tf_internal.uninitialized_variable(*large, kwargs.get("name"),
+                                                  kwargs.get("trainable"))
+               if large else next_creator(**kwargs))
         created.append(var)
         return var
 
@@ -90,6 +96,21 @@ def build(config: cfg.Config) -> Built:
         optimizer = trainer.optimizer(config, task, steps_per_epoch=1)
         optimizer.build(model.trainable_variables)
     return Built(config, task, model, optimizer, created)
+
+
+def _large(kwargs: dict) -> tuple | None:
+    """(shape, dtype) of what a variable creator's arguments ask for, if 1 MiB or more."""
+    import tensorflow as tf
+
+    value = kwargs.get("initial_value")
+    shape = tf.TensorShape(kwargs.get("shape"))
+    if not shape.is_fully_defined():
+        shape = tf.TensorShape(getattr(value, "shape", None))
+    dtype = kwargs.get("dtype") or getattr(value, "dtype", None)
+    if dtype is None or not shape.is_fully_defined():
+        return None
+    dtype = tf.as_dtype(dtype)
+    return (shape, dtype) if shape.num_elements() * dtype.size >= 1 << 20 else None
 
 
 def predict(config: cfg.Config, num_ps: int) -> tuple[Placement, Traffic]:

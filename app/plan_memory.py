@@ -12,18 +12,19 @@ built). On that:
 - a worker holds what a step reads (the dense variables whole, the rows a batch
   looks up in a table), their gradients (as much again), and two batches (the
   one in the step and one prefetched);
-- the chief, under parameter servers, holds `CHIEF_COPIES` times the model's
-  variables (no slots): it builds a local copy of the whole model for
-  evaluation and the export and fills it from the ps tasks (issue 28 items 1-2
-  remove that copy; this term goes with it);
+- the chief, under parameter servers, holds no variable: the workers evaluate
+  against the ps tasks and the ps tasks write the checkpoints and the export.
+  It reads batches as a worker does (sampled training batches, the test set's
+  ceiling for the recommender) and builds the step's functions: it is counted
+  at the baseline and two batches;
 - a MultiWorkerMirrored worker (`--ps 0`) holds every variable and slot, the
-  gradients, and two batches.
+  gradients, and two batches;
+- an evaluator task (`evaluator_peak`) holds the model's variables (not the
+  slots), and once more the largest while a checkpoint restores into it.
 
-Against docs/recommender_large.json (2 ps, 2 workers, 2.0 GiB of tables and
-2.0 GiB of Adagrad slots; peak RSS per task type), `python -m app.plan --config
-configs/recommender_large.toml --ps 2` predicts ps 3.0 GiB (measured 3.2 GiB,
-7% under), worker 703 MiB (measured 814 MiB, 14% under), chief 8.7 GiB
-(measured 8.4 GiB, 4% over, the factor being fitted to it).
+Measured against these (`python -m app.bench --config configs/recommender.toml
+--set task.table_scale=0.05 --rows rec_ps_2w2p,rec_ps_2w2p_8x`, docs/memory.md):
+see the table there.
 """
 
 from __future__ import annotations
@@ -34,11 +35,6 @@ from app import config as cfg
 from app import memory
 from app.parameter_server import human_size
 
-# The chief's peak over its model's variable bytes under parameter servers: the
-# local copy, the shards read from the ps tasks, their concatenation and the
-# export's copy. Not derived: fitted to the 8.6 GB measured with 2.0 GiB of
-# tables (docs/recommender_large.json): 4 x 2.0 GiB + 0.7 GiB baseline.
-CHIEF_COPIES = 4
 # Tried in turn for "how many ps tasks would fit".
 MAX_PS = 256
 
@@ -77,8 +73,16 @@ def peaks(built, placement, traffic) -> dict[str, int]:
         held = [s.bytes for s in placement.shards if s.ps_task == i]
         out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
     out["worker"] = base + 2 * sum(traffic.read_bytes) + batches
-    out["chief"] = base + CHIEF_COPIES * _bytes(built.model.variables)
+    out["chief"] = base + batches
     return out
+
+
+def evaluator_peak(built) -> int:
+    """The evaluator task's peak: SidecarEvaluator restores each checkpoint into a
+    whole model of its own."""
+    variables = built.model.variables
+    largest = max((v.shape.num_elements() * v.dtype.size for v in variables), default=0)
+    return memory.BASELINE_BYTES + _bytes(variables) + largest
 
 
 def check(built, num_ps: int, num_workers: int, limit_gib: float,
@@ -107,7 +111,7 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float,
     if stuck:
         raise cfg.ConfigError(
             f"{head}: no number of ps tasks fits, since the {task} holds "
-            f"{'the whole model for evaluation and export' if task == 'chief' else 'its step'}"
+            f"{'its batches' if task == 'chief' else 'its step'}"
             f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
     for more in range(num_ps + 1, MAX_PS + 1):
         ps_peaks = peaks(built, *plan.place(built, more))

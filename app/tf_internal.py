@@ -1,4 +1,4 @@
-"""The two TensorFlow internals this project uses, walled off here (read from TF 2.21).
+"""The TensorFlow internals this project uses, walled off here (read from TF 2.21).
 
 Everything else uses TensorFlow's public API. If TensorFlow moves either of
 these, only this module breaks, and only the runs that use it:
@@ -35,3 +35,12 @@ def sleep(microseconds: tf.Tensor) -> tf.Tensor:
     delay = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).apply(
         transformation(microseconds))
     return next(iter(delay))
+
+
+def uninitialized_variable(shape, dtype, name=None, trainable=None):
+    """A resource variable of `shape` and `dtype` that holds no value."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    return resource_variable_ops.UninitializedVariable(
+        shape=shape, dtype=tf.as_dtype(dtype), name=name,
+        trainable=True if trainable is None else trainable)

@@ -76,18 +76,17 @@ def small_tables():
     return plan.build(cfg.load("configs/recommender.toml", SMALL_TABLES))
 
 
-def test_plan_refuses_a_chief_that_holds_the_whole_model(small_tables):
-    # The chief's copy for evaluation and export: 4 x 309 MiB + 700 MiB > 1 GiB.
+def test_plan_refuses_a_worker_that_no_number_of_ps_tasks_helps(small_tables):
+    # Its step alone, on 700 MiB of TensorFlow's own, is over 0.6 GiB.
     with pytest.raises(cfg.ConfigError) as e:
-        plan_memory.check(small_tables, num_ps=4, num_workers=2, limit_gib=1)
+        plan_memory.check(small_tables, num_ps=4, num_workers=2, limit_gib=0.6)
     assert str(e.value).startswith(
-        "chief would peak at 1.9 GiB, over runtime.memory_limit_gib = 1 GiB (1.0 GiB), 4 ps and "
-        "2 worker(s): no number of ps tasks fits, since the chief holds the whole model for "
-        "evaluation and export; raise the limit to at least 1.9 GiB"), e.value
+        "worker would peak at 701.2 MiB, over runtime.memory_limit_gib = 0.6 GiB (614.4 MiB), "
+        "4 ps and 2 worker(s): no number of ps tasks fits, since the worker holds its step; "
+        "raise the limit to at least 0.7 GiB"), e.value
 
 
-def test_plan_names_how_many_ps_tasks_would_fit(small_tables, monkeypatch):
-    monkeypatch.setattr(plan_memory, "CHIEF_COPIES", 0)  # as once issue 28's items 1-2 land
+def test_plan_names_how_many_ps_tasks_would_fit(small_tables):
     with pytest.raises(cfg.ConfigError) as e:
         plan_memory.check(small_tables, num_ps=1, num_workers=2, limit_gib=1)
     assert str(e.value).startswith("ps:0 would peak at 1.4 GiB, over runtime.memory_limit_gib "
@@ -96,6 +95,8 @@ def test_plan_names_how_many_ps_tasks_would_fit(small_tables, monkeypatch):
     fits = plan_memory.check(small_tables, num_ps=3, num_workers=2, limit_gib=1)
     assert set(fits) == {"ps:0", "ps:1", "ps:2", "worker", "chief"}
     assert all(nbytes <= memory.GIB for nbytes in fits.values()), fits
+    # The chief holds no table: its peak is the same whatever the tables' size.
+    assert fits["chief"] < memory.BASELINE_BYTES + (8 << 20)
 
 
 @pytest.mark.slow
@@ -105,5 +106,6 @@ def test_the_launcher_starts_nothing_when_a_task_cannot_fit(capfd):
                        *[arg for s in SMALL_TABLES for arg in ("--set", s)]])
     out, err = capfd.readouterr()
     assert code == 2, out + err
-    assert "error: chief would peak at 1.9 GiB, over runtime.memory_limit_gib = 1 GiB" in err
+    assert "error: ps:0 would peak at 1.4 GiB, over runtime.memory_limit_gib = 1 GiB" in err
+    assert "3 ps tasks would fit (--ps 3)" in err
     assert "started" not in out, out

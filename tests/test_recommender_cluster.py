@@ -2,6 +2,8 @@
 conftest.py (2 workers, 2 ps): tables sharded over the ps tasks, read and
 updated row by row, and the traffic figures of a real run."""
 
+import pathlib
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -116,11 +118,19 @@ def test_plan_predicts_the_placement(built):
     assert sorted(predicted.ps_bytes) == sorted(placement.ps_bytes)
 
 
-def test_a_run_records_predicted_and_counted_traffic_per_ps(ps_strategy, ps_cluster, tmp_path):
+@pytest.fixture(scope="module")
+def ran(ps_strategy, ps_cluster, tmp_path_factory):
+    """One short run on the cluster: its settings, metrics and workdir."""
     settings = config("task.train_examples=20480", "task.test_examples=4000", "train.epochs=1",
                       "train.learning_rate=0.005", "task.table_learning_rate=0.3",
                       "train.verbose=0", "eval.batch_size=2000", "eval.test_every_epoch=false")
-    metrics = trainer.run(settings, tmp_path, strategy=ps_strategy, cluster=ps_cluster)
+    workdir = tmp_path_factory.mktemp("run")
+    metrics = trainer.run(settings, workdir, strategy=ps_strategy, cluster=ps_cluster)
+    return settings, metrics, workdir
+
+
+def test_a_run_records_predicted_and_counted_traffic_per_ps(ran):
+    settings, metrics, _ = ran
     assert metrics["test_auc"] > 0.55  # 80 steps: learning, far from done
     traffic = metrics["ps_traffic"]
     for predicted, counted in zip(traffic["predicted_read_bytes"], traffic["counted_read_bytes"],
@@ -133,3 +143,79 @@ def test_a_run_records_predicted_and_counted_traffic_per_ps(ps_strategy, ps_clus
     assert sorted(planned.read_bytes) == sorted(traffic["predicted_read_bytes"])
     assert sorted(planned.written_bytes) == pytest.approx(  # rounded per shard there
         sorted(traffic["predicted_written_bytes"]), abs=10)
+
+
+def _table_shapes(model) -> set[tuple[int, int]]:
+    return {(model.get_layer(f"table_{f}").input_dim, 16) for f in range(26)
+            if model.get_layer(f"table_{f}").input_dim > 1000}
+
+
+def _whole_tables(graph_def, shapes: set, skip: tuple[str, ...] = (), top: bool = True
+                  ) -> list[str]:
+    """"function/op" of every tensor shaped as one of `shapes` in `graph_def` (with
+    `top`) and in the functions of its library (nested loops' bodies included), but
+    those named `skip`."""
+    from tensorflow.python.framework import function_def_to_graph
+
+    outer = tf.Graph()
+    with outer.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    found = [f"graph/{op.name}" for op in outer.get_operations() for out in op.outputs
+             if top and out.shape.rank == 2 and tuple(out.shape) in shapes]
+    for function in graph_def.library.function:
+        name = function.signature.name
+        if any(part in name for part in skip):
+            continue
+        with outer.as_default():
+            graph = function_def_to_graph.function_def_to_graph(function)
+        found += [f"{name}/{op.name}" for op in graph.get_operations() for out in op.outputs
+                  if out.shape.rank == 2 and tuple(out.shape) in shapes]
+    return found
+
+
+def test_evaluation_on_the_workers_reads_rows_not_tables(built, ps_strategy):
+    task, model = built
+    from app import ps_evaluation
+
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
+    evaluate = ps_evaluation.evaluator(model, coordinator, num_workers=2)
+    dataset = task.eval_dataset("test", 500).take(2)
+    evaluate(dataset)
+    per_worker = coordinator.create_per_worker_dataset(dataset).build()
+    graph = evaluate._shard.get_concrete_function(per_worker, tf.constant(0, tf.int64)).graph
+    assert _whole_tables(graph.as_graph_def(), _table_shapes(model)) == []
+
+
+def _data_files(prefix: pathlib.Path) -> list[int]:
+    """Sizes of the data files of the checkpoint at `prefix`, one per task that wrote."""
+    return [f.stat().st_size for f in prefix.parent.glob(prefix.name + ".data-*")]
+
+
+def test_the_export_and_checkpoints_are_written_by_the_ps_tasks_shard_by_shard(ran, built):
+    _, metrics, workdir = ran
+    _, model = built
+    # Each ps task writes its own shards (TF's MultiDeviceSaver runs each save op on the
+    # variable's task): no file, and so no one process, holds most of the bytes.
+    # Gathered on the chief, the tables would all be in one file.
+    for prefix in (workdir / "export" / "variables" / "variables",
+                   workdir / "checkpoints" / "ckpt-1"):
+        sizes = _data_files(prefix)
+        assert len(sizes) >= 2, (prefix, sizes)
+        assert max(sizes) < 0.75 * sum(sizes), (prefix, sizes)
+    # The serving functions gather rows. Only what loads the SavedModel holds a table:
+    # its graph's variables and the functions that restore and save them all.
+    from tensorflow.core.protobuf import saved_model_pb2
+
+    saved = saved_model_pb2.SavedModel.FromString(
+        (workdir / "export" / "saved_model.pb").read_bytes())
+    graph_def = saved.meta_graphs[0].graph_def
+    assert _whole_tables(graph_def, _table_shapes(model), top=False,
+                         skip=("_traced_save", "_traced_restore")) == []
+    assert _whole_tables(graph_def, _table_shapes(model))  # the check sees the restore
+
+    # And it serves the raw features.
+    task = tasks.create(config())[0]
+    features, _ = next(iter(task.eval_dataset("test", 64)))
+    served = tf.saved_model.load(str(workdir / "export")).signatures["serving_default"]
+    assert metrics["num_test_examples"] == 4000
+    assert np.isfinite(served(**features)["logit"].numpy()).all()
