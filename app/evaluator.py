@@ -18,9 +18,10 @@ from typing import Any
 
 import tf_keras as keras
 
-from app import data
+from app import data, memory
 from app import task as tasks
-from app.config import Config
+from app.config import Config, ConfigError
+from app.parameter_server import human_size
 from app.workdir import CHECKPOINT_DIR, METRICS_FILE, write_json
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ def run(config: Config, workdir: pathlib.Path, *, task: tasks.Task | None = None
     """Evaluate training's checkpoints as they appear; return and record the `eval` section."""
     if task is None:
         task, config = tasks.create(config)
+    check_memory(config)
     model = task.build_model()
     # An optimizer of Keras' current type: the evaluator then restores the
     # training step from the checkpoint when it has one, and never demands it.
@@ -105,6 +107,26 @@ def run(config: Config, workdir: pathlib.Path, *, task: tasks.Task | None = None
                           if k not in ("checkpoint", "epoch")})
     add_to_metrics(workdir, "eval", section, wait_s=wait_for_metrics_s)
     return section
+
+
+def check_memory(config: Config) -> None:
+    """Refuse, before building it, a model whose copy cannot fit this task's
+    `runtime.memory_limit_gib`: SidecarEvaluator restores each checkpoint into a
+    whole model of its own, which tables sharded over ps tasks may not fit in."""
+    limit = config.runtime.memory_limit_gib
+    if not limit:
+        return
+    from app import plan, plan_memory
+
+    peak = plan_memory.evaluator_peak(plan.build(config))
+    if peak > limit * memory.GIB:
+        raise ConfigError(
+            f"the evaluator task would peak at {human_size(peak)}, over "
+            f"runtime.memory_limit_gib = {limit:g} GiB: it restores each checkpoint into a "
+            "whole model of its own. Evaluate on the workers instead, which read only the "
+            "rows they need from the ps tasks: drop the evaluator task and set "
+            "eval.test_every_epoch = true (or give the task a validation split); or raise "
+            "the limit")
 
 
 def add_to_metrics(workdir: pathlib.Path, key: str, value: Any, wait_s: float) -> None:

@@ -38,9 +38,12 @@ docs/troubleshooting.md.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import resource
+import threading
+import time
 
 GIB = 1 << 30
 # Not retried (launch.local, Kubeflow's ExitCode policy fails the job on 1..127):
@@ -54,9 +57,15 @@ EXIT_CODE = 5
 # and 721, chief 751: a task of a cluster holds about 100 MiB more (gRPC, the
 # coordinator's functions). The larger RSS keeps the plan on the safe side.
 BASELINE_BYTES = 700 << 20
-# Threads besides the two op pools whose stacks `thread_stacks` allows for: 3 in
-# one process here (67 threads with pools of 32 and 32), more under gRPC serving.
-OTHER_THREADS = 16
+# The stack each thread this process starts reserves (`small_stacks`), instead of
+# RLIMIT_STACK's 8 MiB: TensorFlow's threads run within Windows' 1 MiB default.
+THREAD_STACK = 2 << 20
+# Threads the limit allows for beyond those running when it was last set: the
+# margin for threads started between two looks (`follow_threads`), such as a
+# thread pool TensorFlow makes for one graph.
+SPARE_THREADS = 64
+# Seconds between two looks at this process's threads.
+FOLLOW_S = 0.5
 
 # TensorFlow's message names the device, hence the task, that failed to allocate:
 # "OOM when allocating tensor with shape[...] ... on /job:ps/replica:0/task:1/device:CPU:0".
@@ -64,35 +73,88 @@ _DEVICE = re.compile(r"OOM when allocating.* on /job:(\w+)/replica:\d+/task:(\d+
 _TENSOR = re.compile(r"OOM when allocating tensor with shape\[([^\]]*)\]")
 
 
-def thread_stacks(intra_op_threads: int = 0, inter_op_threads: int = 0) -> int:
-    """Bytes of address space the stacks of TensorFlow's threads reserve.
-
-    Each thread's stack is a private writable mapping of RLIMIT_STACK's size
-    (8 MiB), which RLIMIT_DATA counts whole though a thread touches a few pages
-    of it. Measured here: 7 threads with pools of 2 and 2, VmData 0.33 GiB; 67
-    threads with pools of 32 and 32, VmData 0.80 GiB, the same RSS (0.61 GiB).
-    So the limit is raised by this much: the pools (runtime.intra_op_threads,
-    inter_op_threads; 0 means one thread per core in each), plus
-    `OTHER_THREADS` for gRPC and TensorFlow's own."""
+def stack_bytes() -> int:
+    """The address space one new thread's stack reserves: `THREAD_STACK` once
+    `small_stacks` has set it, else glibc's default (RLIMIT_STACK)."""
+    if _small_stacks:
+        return THREAD_STACK
     stack, _ = resource.getrlimit(resource.RLIMIT_STACK)
-    stack = 8 << 20 if stack == resource.RLIM_INFINITY else stack
-    cores = os.cpu_count() or 1
-    return ((intra_op_threads or cores) + (inter_op_threads or cores) + OTHER_THREADS) * stack
+    return 8 << 20 if stack == resource.RLIM_INFINITY else stack
+
+
+_small_stacks = False
+
+
+def small_stacks() -> bool:
+    """Make `THREAD_STACK` the stack of every thread this process starts from now
+    on without asking for a size (glibc's `pthread_setattr_default_np`; the main
+    thread keeps its own). False where that is not available (not glibc)."""
+    global _small_stacks
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        attr = ctypes.create_string_buffer(256)  # pthread_attr_t: 56 bytes on x86-64
+        ok = (libc.pthread_attr_init(attr) == 0
+              and libc.pthread_attr_setstacksize(attr, ctypes.c_size_t(THREAD_STACK)) == 0
+              and libc.pthread_setattr_default_np(attr) == 0)
+        libc.pthread_attr_destroy(attr)
+    except (OSError, AttributeError):
+        ok = False
+    _small_stacks = _small_stacks or ok
+    return ok
+
+
+def thread_stacks(threads: int | None = None) -> int:
+    """Bytes of address space the stacks of this process's threads reserve, with
+    `SPARE_THREADS` more: `threads` (default: those running now) of them.
+
+    Each thread's stack is a private writable mapping (`stack_bytes`), which
+    RLIMIT_DATA counts whole though a thread touches a few pages of it.
+    Measured here with 8 MiB stacks: 7 threads with pools of 2 and 2, VmData
+    0.33 GiB; 67 threads with pools of 32 and 32, VmData 0.80 GiB, the same RSS
+    (0.61 GiB). A ps task serving 2 workers and a chief runs 104 threads
+    (gRPC's and TensorFlow's): 0.8 GiB of VmData that is not memory, and
+    thread pools come and go (a failed pthread_create aborts the task)."""
+    if threads is None:
+        threads = len(os.listdir("/proc/self/task"))
+    return (threads + SPARE_THREADS) * stack_bytes()
 
 
 def apply_limit(gib: float, stacks: int = 0) -> str:
     """Limit this process's data segment (RLIMIT_DATA) to `gib` GiB plus `stacks`
     bytes of thread stacks (`thread_stacks`: address space, not memory); 0: leave
-    it. Call before TensorFlow starts. A description of what was set, for the log."""
+    it. The soft limit only, so that `follow_threads` can move it as threads
+    come. A description of what was set, for the log."""
     if not gib:
         return "no memory limit"
     limit = int(gib * GIB) + stacks
     _, hard = resource.getrlimit(resource.RLIMIT_DATA)
     if hard != resource.RLIM_INFINITY and hard < limit:
         limit = hard  # an unprivileged process cannot raise its hard limit
-    resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
+    resource.setrlimit(resource.RLIMIT_DATA, (limit, hard))
     return (f"memory limit {gib:g} GiB, RLIMIT_DATA {limit / GIB:.3g} GiB with "
             f"{stacks / GIB:.2g} GiB of thread stacks")
+
+
+def follow_threads(gib: float) -> threading.Thread:
+    """Apply the limit of `gib` GiB now, and keep its allowance for thread stacks
+    in step with this process's threads, looking every `FOLLOW_S` seconds from a
+    daemon thread. TensorFlow and gRPC start threads as a task serves and
+    connects (a ps serving 2 workers: 104), each reserving a stack that
+    RLIMIT_DATA counts; a limit fixed before they start would fail a task long
+    before its memory reached `gib` (a ps with 1.1 GiB resident, at 2 GiB).
+    Threads get `small_stacks`, so that the margin for those started between
+    two looks costs 128 MiB of the bound, not 512."""
+    small_stacks()
+    apply_limit(gib, thread_stacks())
+
+    def follow():
+        while True:
+            time.sleep(FOLLOW_S)
+            apply_limit(gib, thread_stacks())
+
+    watcher = threading.Thread(target=follow, name="memory-limit", daemon=True)
+    watcher.start()
+    return watcher
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -123,3 +185,8 @@ def message(error: BaseException, label: str, gib: float) -> str:
     return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
             f"spread the tables (python -m app.plan --memory-limit-gib {gib:g} says how many); "
             f"exit code {EXIT_CODE}")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (the kernel's VmHWM)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -20,13 +20,60 @@ import tensorflow as tf
 import tf_keras as keras
 
 
-class Adam(keras.optimizers.Adam):
+def initial_slot(variable, shape=None, value: float = 0.0):
+    """A function that makes the initial value of `variable`'s slot (`value`
+    everywhere) on the variable's own device.
+
+    Keras' optimizers make each slot's initial value eagerly, as a tensor of the
+    variable's shape, where the optimizer is built, and then create the slot
+    beside its variable: under ParameterServerStrategy the chief made every
+    table shard's slot and sent it over gRPC to its ps task (a ps receiving a
+    155 MiB shard holds it two or three times over while it arrives). Given this
+    function instead, the variable's task makes the value itself.
+    """
+    dtype = getattr(variable, "true_dtype", variable.dtype)  # not the mixed-precision cast
+
+    def make():
+        with tf.device(variable.device):
+            return tf.fill(variable.shape if shape is None else shape, tf.cast(value, dtype))
+    return make
+
+
+class SlotsInPlace:
+    """Mixin for a Keras optimizer: slots of zeros start on their variable's device
+    (`initial_slot`)."""
+
+    def add_variable_from_reference(self, model_variable, variable_name, shape=None,
+                                    initial_value=None):
+        if initial_value is None:
+            initial_value = initial_slot(model_variable, shape)
+        return super().add_variable_from_reference(model_variable, variable_name, shape,
+                                                   initial_value)
+
+
+class Adagrad(SlotsInPlace, keras.optimizers.Adagrad):
+    """`keras.optimizers.Adagrad` whose accumulators start on their variable's device:
+    the same update, slots and checkpoint."""
+
+    def build(self, var_list):
+        keras.optimizers.Optimizer.build(self, var_list)
+        if getattr(self, "_built", False):
+            return
+        self._built = True
+        self._accumulators = [
+            self.add_variable_from_reference(
+                var, "accumulator",
+                initial_value=initial_slot(var, value=self.initial_accumulator_value))
+            for var in var_list]
+
+
+class Adam(SlotsInPlace, keras.optimizers.Adam):
     """`keras.optimizers.Adam`, updating dense gradients with one fused kernel.
 
     The same update, slots and checkpoint as Keras' Adam (the class keeps its
     name, so checkpoints written by either restore into the other). Sparse
     gradients (`IndexedSlices`, from embedding lookups) and `amsgrad` take
-    Keras' own path.
+    Keras' own path. Its slots start on their variable's device.
     """
 
     def update_step(self, gradient, variable):

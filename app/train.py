@@ -80,8 +80,9 @@ def limit_memory(runtime: cfg.RuntimeConfig) -> None:
     """`runtime.memory_limit_gib` on this process, before TensorFlow's allocator takes
     any memory: the limit holds from there."""
     if runtime.memory_limit_gib:
-        stacks = memory.thread_stacks(runtime.intra_op_threads, runtime.inter_op_threads)
-        log.info("%s", memory.apply_limit(runtime.memory_limit_gib, stacks))
+        memory.follow_threads(runtime.memory_limit_gib)
+        log.info("memory limit %g GiB (RLIMIT_DATA, beside the address space of the "
+                 "threads' stacks)", runtime.memory_limit_gib)
 
 
 def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
@@ -98,6 +99,8 @@ def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         exit_now(e.exit_code)
+    # The chief records its own in metrics.json (peak_rss_mib).
+    log.info("peak resident memory %.1f MiB", memory.peak_rss_bytes() / 2**20)
     exit_now(0)
 
 

@@ -182,7 +182,7 @@ def optimizer(config: Config, task: Task, steps_per_epoch: int) -> keras.optimiz
         return own
     kind, kwargs = {"adam": (optimizers.Adam, {}),
                     "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
-                    "adagrad": (keras.optimizers.Adagrad, {})}[config.train.optimizer]
+                    "adagrad": (optimizers.Adagrad, {})}[config.train.optimizer]
     if config.sync.compression == "fp16":
         kind = optimizers.fp16_all_reduce(kind)
     if config.ps.compression == "fp16":

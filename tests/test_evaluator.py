@@ -56,3 +56,15 @@ def test_without_metrics_the_section_is_kept_in_eval_json(tmp_path, fast_timeout
     (tmp_path / "metrics.json").unlink()  # as if the chief had died after its last checkpoint
     section = evaluator.run(config, tmp_path, task=tiny_task(config), wait_for_metrics_s=0.1)
     assert json.loads((tmp_path / "eval" / "eval.json").read_text()) == {"eval": section}
+
+
+def test_an_evaluator_that_cannot_hold_the_model_is_refused_before_building_it():
+    # Tables of 618 MiB (scale 0.3): with TensorFlow's own 700 MiB, over 1 GiB.
+    tables = ["task.name=recommender", "task.table_scale=0.3"]
+    with pytest.raises(cfg.ConfigError) as e:
+        evaluator.check_memory(cfg.load(None, [*tables, "runtime.memory_limit_gib=1"]))
+    assert str(e.value).startswith(
+        "the evaluator task would peak at 1.5 GiB, over runtime.memory_limit_gib = 1 GiB: "
+        "it restores each checkpoint into a whole model of its own. Evaluate on the workers "
+        "instead"), e.value
+    evaluator.check_memory(cfg.load(None, [*tables, "runtime.memory_limit_gib=2"]))

@@ -158,7 +158,7 @@ class Recommender(Task):
 
     def optimizer(self, learning_rate):
         p = self.params
-        kind = keras.optimizers.Adagrad if p.table_optimizer == "adagrad" else keras.optimizers.SGD
+        kind = optimizers.Adagrad if p.table_optimizer == "adagrad" else keras.optimizers.SGD
         return dlrm.SplitOptimizer(tables=kind(p.table_learning_rate),
                                    dense=optimizers.Adam(learning_rate))
 
