@@ -30,6 +30,26 @@ def test_an_allocation_past_the_limit_fails_in_the_process_not_the_machine():
     assert done.returncode == 1 and "MemoryError" in done.stderr, done.stderr[-2000:]
 
 
+def test_the_limit_leaves_room_for_the_stacks_of_threads_started_later():
+    # 120 threads (a ps task serves with about 100) reserve 960 MiB of stacks at 8 MiB
+    # each, which RLIMIT_DATA counts: with a limit fixed before they start, the
+    # 0.5 GiB array would fail at 1 GiB; followed, it fits, and 1 GiB more does not.
+    script = ("import threading, time\n"
+              "import numpy as np\n"
+              "from app import memory\n"
+              "memory.follow_threads(1.0)\n"
+              "stop = threading.Event()\n"
+              "for _ in range(120): threading.Thread(target=stop.wait, daemon=True).start()\n"
+              "time.sleep(3 * memory.FOLLOW_S)\n"
+              "held = np.ones(1 << 26)  # 0.5 GiB\n"
+              "print('held', flush=True)\n"
+              "more = np.ones(1 << 27)  # 1 GiB more\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=QUIET, timeout=60)
+    assert done.stdout == "held\n", done.stderr[-2000:]
+    assert done.returncode == 1 and "MemoryError" in done.stderr, done.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
     # 40% of Criteo's table sizes (0.8 GiB of tables, as much of slots) under a 1 GiB
