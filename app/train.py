@@ -85,6 +85,19 @@ def limit_memory(runtime: cfg.RuntimeConfig) -> None:
                  "threads' stacks)", runtime.memory_limit_gib)
 
 
+def pooled_allocator(runtime: cfg.RuntimeConfig, cluster: clusters.Cluster | None) -> bool:
+    """Whether this task may use a pooling CPU allocator (BFC: TensorFlow's, or
+    oneDNN's), as `runtime.cpu_allocator` and `runtime.onednn` ask.
+
+    Not a ps task under a memory limit: a BFC pool grows by regions of twice
+    the last, allocated whole, and RLIMIT_DATA counts what is allocated, not what
+    is touched. A ps holding 1.5 GiB of tables and slots under a 2 GiB limit
+    had 2.2 GiB allocated and died in gRPC (a segfault, not the named error)
+    when the next region did not fit. With malloc, what a ps allocates is what
+    it holds; a ps gathers and scatters rows, which oneDNN does not speed up."""
+    return not (runtime.memory_limit_gib and cluster and cluster.task_type == "ps")
+
+
 def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     """A ps or worker task of a parameter-server cluster: serve the chief, then exit."""
     # TensorFlow starts here, after all checks.
@@ -110,11 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     label = "local"
     try:
         config = cfg.load(args.config, overrides)
-        # Read once, when TensorFlow starts (below, after all checks).
-        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn else "0"
-        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = (
-            "true" if config.runtime.cpu_allocator == "bfc" else "false")
         cluster = clusters.read()
+        pool = pooled_allocator(config.runtime, cluster)
+        # Read once, when TensorFlow starts (below, after all checks).
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "1" if config.runtime.onednn and pool else "0"
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = (
+            "true" if config.runtime.cpu_allocator == "bfc" and pool else "false")
         label = cluster.label if cluster else "local"
         setup_logging(label)
         limit_memory(config.runtime)

@@ -2,6 +2,7 @@
 (app/plan_memory.py): a process over its limit fails with the named error and exit
 code 5; a cluster shape that cannot fit is refused before anything starts."""
 
+import json
 import os
 import subprocess
 import sys
@@ -129,3 +130,20 @@ def test_the_launcher_starts_nothing_when_a_task_cannot_fit(capfd):
     assert "error: ps:0 would peak at 1.4 GiB, over runtime.memory_limit_gib = 1 GiB" in err
     assert "3 ps tasks would fit (--ps 3)" in err
     assert "started" not in out, out
+
+
+def test_a_ps_under_a_limit_allocates_with_malloc_what_it_holds():
+    from app import cluster as clusters
+    from app import train
+
+    spec = {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]}
+
+    def task(kind: str) -> clusters.Cluster:
+        return clusters.parse(json.dumps({"cluster": spec, "task": {"type": kind, "index": 0}}))
+
+    limited, free = cfg.RuntimeConfig(memory_limit_gib=2), cfg.RuntimeConfig()
+    assert not train.pooled_allocator(limited, task("ps"))
+    assert train.pooled_allocator(limited, task("worker"))
+    assert train.pooled_allocator(limited, task("chief"))
+    assert train.pooled_allocator(free, task("ps"))
+    assert train.pooled_allocator(limited, None)
