@@ -10,8 +10,8 @@ built). On that:
   once more its largest shard, which is initialised into a temporary tensor and
   then assigned;
 - a worker holds what a step reads (the dense variables whole, the rows a batch
-  looks up in a table), their gradients (as much again), and two batches (the
-  one in the step and one prefetched);
+  looks up in a table), their gradients (as much again), two batches (the one
+  in the step and one prefetched), and the step's activations (`step_bytes`);
 - the chief, under parameter servers, holds no variable: the workers evaluate
   against the ps tasks and the ps tasks write the checkpoints and the export.
   It reads batches as a worker does (sampled training batches, the test set's
@@ -22,9 +22,8 @@ built). On that:
 - an evaluator task (`evaluator_peak`) holds the model's variables (not the
   slots), and once more the largest while a checkpoint restores into it.
 
-Measured against these (`python -m app.bench --config configs/recommender.toml
---set task.table_scale=0.05 --rows rec_ps_2w2p,rec_ps_2w2p_8x`, docs/memory.md):
-see the table there.
+The predictions beside the peaks measured with the recommender's tables at 1x,
+8x and Criteo's own sizes: docs/large_models.md.
 """
 
 from __future__ import annotations
@@ -35,6 +34,10 @@ from app import config as cfg
 from app import memory
 from app.parameter_server import human_size
 
+# A step's tensors over its layers' outputs. Fitted: the workers of
+# configs/recommender_large.toml peaked at 976 and 1011 MiB evaluating batches
+# of 20,000 examples (6.0 KB of layer outputs each: 114 MiB); 2 puts them at 946.
+ACTIVATION_COPIES = 2
 # Tried in turn for "how many ps tasks would fit".
 MAX_PS = 256
 
@@ -56,6 +59,33 @@ def batch_bytes(built) -> int:
     return total
 
 
+def activation_bytes(model) -> int:
+    """Bytes of every layer's outputs for one example, read from a functional
+    model's output shapes (0 for a model whose layers have none: subclassed)."""
+    total = 0
+    for layer in model.layers:
+        try:
+            shapes = layer.output_shape
+        except (AttributeError, RuntimeError):
+            return 0
+        for shape in shapes if isinstance(shapes, list) else [shapes]:
+            if shape is None or any(d is None for d in shape[1:]):
+                continue
+            total += math.prod(shape[1:]) * 4  # float32; a narrower policy holds less
+    return total
+
+
+def step_bytes(built) -> int:
+    """What a worker's step holds beyond its variables: the activations of an
+    evaluation batch (eval.batch_size), or of a training batch and their
+    gradients, whichever is more, each `ACTIVATION_COPIES` times the layers'
+    outputs (the tensors inside a layer, a batch's copies between ops)."""
+    per_example = activation_bytes(built.model)
+    config = built.config
+    return ACTIVATION_COPIES * per_example * max(config.eval.batch_size,
+                                                 2 * config.train.global_batch_size)
+
+
 def _bytes(variables) -> int:
     return sum(v.shape.num_elements() * v.dtype.size for v in variables)
 
@@ -65,14 +95,15 @@ def peaks(built, placement, traffic) -> dict[str, int]:
     (every worker alike); with no ps, {"worker": bytes} of MultiWorkerMirrored."""
     base = memory.BASELINE_BYTES
     batches = 2 * batch_bytes(built)
+    steps = step_bytes(built)
     if placement is None:  # MultiWorkerMirrored: every worker holds everything
         every, trainable = _bytes(built.created), _bytes(built.model.trainable_variables)
-        return {"worker": base + every + trainable + batches}
+        return {"worker": base + every + trainable + batches + steps}
     out = {}
     for i in range(placement.num_ps):
         held = [s.bytes for s in placement.shards if s.ps_task == i]
         out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
-    out["worker"] = base + 2 * sum(traffic.read_bytes) + batches
+    out["worker"] = base + 2 * sum(traffic.read_bytes) + batches + steps
     out["chief"] = base + batches
     return out
 
