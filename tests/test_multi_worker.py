@@ -119,3 +119,53 @@ def test_gradients_are_all_reduced_in_packs_of_sync_bytes_per_pack(bytes_per_pac
     # 4 MiB at the big kernel), then the convolutions': two packs.
     for output in run_workers("-c", COUNT_PACKS, str(bytes_per_pack)):
         assert f"PACKS {packs}\n" in output, output[-3000:]
+
+
+# Adagrad's sparse gradients under the project's MultiWorkerMirroredStrategy: three
+# tables' rows, different on each worker, cross in one all-gather, and both workers
+# update their copies as Keras' Adagrad updates one table from both workers' rows.
+GATHER_TABLES = """
+import json, numpy as np, tensorflow as tf, tf_keras
+from app import cluster, config, optimizers, strategy
+s = strategy.create("auto", cluster.read(), config.load(None, []))
+shapes = [(9, 3), (5, 2), (7, 4)]
+with s.scope():
+    tables = [tf.Variable(tf.ones(shape)) for shape in shapes]
+    dense = tf.Variable(tf.ones((2,)))
+    optimizer = optimizers.Adagrad(0.5)
+
+def gradients(replica):  # replica r looks up r + 2 rows of each table, from row r
+    rows = lambda shape: tf.range(replica, 2 * replica + 2) % shape[0]
+    return [tf.IndexedSlices(tf.ones((replica + 2, shape[1])) * tf.cast(replica + 1, tf.float32),
+                             rows(shape)) for shape in shapes]
+
+@tf.function
+def step():
+    def replica_step():
+        replica = tf.distribute.get_replica_context().replica_id_in_sync_group
+        optimizer.apply_gradients(zip([*gradients(replica), tf.ones((2,))], [*tables, dense]))
+    s.run(replica_step)
+
+graph = step.get_concrete_function().graph
+ops = [op.type for f in [graph, *(f.graph for f in graph._functions.values())]
+       for op in f.get_operations()]
+step()
+expected = [tf.Variable(tf.ones(shape)) for shape in shapes]
+reference = tf_keras.optimizers.Adagrad(0.5)
+both = [tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0))
+        for a, b in zip(gradients(0), gradients(1))]
+reference.apply_gradients(zip(both, expected))
+print("GATHERS", sum(t.startswith("CollectiveGather") for t in ops))
+print("TABLES", json.dumps([np.round(t.numpy(), 6).tolist() for t in tables]))
+print("SAME", all(np.allclose(t.numpy(), e.numpy(), rtol=1e-6) for t, e in zip(tables, expected)))
+"""
+
+
+def test_sparse_gradients_of_all_tables_cross_in_one_all_gather():
+    outputs = run_workers("-c", GATHER_TABLES)
+    for output in outputs:
+        # One all-gather exchanges the packed tensor's lengths, one its data; Keras'
+        # own all-reduce, one IndexedSlices at a time, traces 15 here.
+        assert "GATHERS 2\n" in output and "SAME True\n" in output, output[-3000:]
+    tables = [json.loads(output.split("TABLES ", 1)[1].splitlines()[0]) for output in outputs]
+    assert tables[0] == tables[1]

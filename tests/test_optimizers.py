@@ -106,3 +106,35 @@ def test_fp16_all_reduce_sums_float16_gradients_into_float32():
     expected = [f16(f16(0.1) + f16(0.2)), f16(f16(1e-3) + f16(2e-3))]
     np.testing.assert_array_equal(summed, np.array(expected, np.float32))
     assert not np.allclose(summed, [0.3, 3e-3], rtol=1e-6, atol=0)  # float32 would give these
+
+
+def _whole_reads(optimizer_class) -> tuple:
+    """The ops of a mirrored table's sparse Adagrad step whose output is the whole
+    table, the table after the step, and its strategy."""
+    strategy = one_device_reduction_mirrored()
+    with strategy.scope():
+        table = tf.Variable(tf.ones((1000, 4)))
+        optimizer = optimizer_class(0.1)
+
+    @tf.function
+    def step():
+        def replica_step():
+            optimizer.apply_gradients([(tf.IndexedSlices(tf.ones((2, 4)), tf.constant([3, 7])),
+                                        table)])
+        strategy.run(replica_step)
+
+    step()
+    graph = step.get_concrete_function().graph
+    graphs = [graph, *(f.graph for f in graph._functions.values())]
+    return [op.name for g in graphs for op in g.get_operations()
+            for out in op.outputs if tuple(out.shape) == (1000, 4)], table, strategy
+
+
+def test_adagrad_updates_only_the_looked_up_rows_of_a_mirrored_table():
+    ours, table, strategy = _whole_reads(optimizers.Adagrad)
+    assert ours == []
+    for copy in strategy.experimental_local_results(table):
+        moved = np.flatnonzero((copy.numpy() != 1).any(axis=1))
+        assert moved.tolist() == [3, 7]
+    theirs, _, _ = _whole_reads(keras.optimizers.Adagrad)  # reads the accumulator whole
+    assert theirs
