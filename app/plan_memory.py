@@ -15,8 +15,9 @@ built). On that:
 - the chief, under parameter servers, holds no variable: the workers evaluate
   against the ps tasks and the ps tasks write the checkpoints and the export.
   It reads batches as a worker does (sampled training batches, the test set's
-  ceiling for the recommender) and builds the step's functions: it is counted
-  at the baseline and two batches;
+  ceiling for the recommender) and builds and dispatches the step's functions
+  to every worker: it is counted at the baseline, two batches and
+  `COORDINATOR_BYTES`;
 - a MultiWorkerMirrored worker (`--ps 0`) holds every variable and slot, the
   gradients, and two batches;
 - an evaluator task (`evaluator_peak`) holds the model's variables (not the
@@ -38,6 +39,11 @@ from app.parameter_server import human_size
 # configs/recommender_large.toml peaked at 976 and 1011 MiB evaluating batches
 # of 20,000 examples (6.0 KB of layer outputs each: 114 MiB); 2 puts them at 946.
 ACTIVATION_COPIES = 2
+# What the chief holds beyond TensorFlow's baseline and two batches: the coordinator's
+# functions, one copy per worker, its threads and their gRPC buffers. Fitted: the
+# recommender's chief (chief + 2 workers + 2 or 4 ps) peaked at 749 to 899 MiB over
+# six runs against the 700 MiB of baseline and batches.
+COORDINATOR_BYTES = 100 << 20
 # Tried in turn for "how many ps tasks would fit".
 MAX_PS = 256
 
@@ -80,10 +86,13 @@ def step_bytes(built) -> int:
     evaluation batch (eval.batch_size), or of a training batch and their
     gradients, whichever is more, each `ACTIVATION_COPIES` times the layers'
     outputs (the tensors inside a layer, a batch's copies between ops)."""
-    per_example = activation_bytes(built.model)
     config = built.config
-    return ACTIVATION_COPIES * per_example * max(config.eval.batch_size,
-                                                 2 * config.train.global_batch_size)
+    splits = [built.task.eval_examples(split) for split in ("validation", "test")]
+    largest = max((n for n in splits if n), default=0)  # None: no end known, 0: no split
+    evaluated = min(config.eval.batch_size, largest) if None not in splits else \
+        config.eval.batch_size
+    return ACTIVATION_COPIES * activation_bytes(built.model) * max(
+        evaluated, 2 * config.train.global_batch_size)
 
 
 def _bytes(variables) -> int:
@@ -104,7 +113,7 @@ def peaks(built, placement, traffic) -> dict[str, int]:
         held = [s.bytes for s in placement.shards if s.ps_task == i]
         out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
     out["worker"] = base + 2 * sum(traffic.read_bytes) + batches + steps
-    out["chief"] = base + batches
+    out["chief"] = base + batches + COORDINATOR_BYTES
     return out
 
 
