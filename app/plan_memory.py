@@ -87,16 +87,20 @@ def step_bytes(built) -> int:
     gradients, whichever is more, each `ACTIVATION_COPIES` times the layers'
     outputs (the tensors inside a layer, a batch's copies between ops)."""
     config = built.config
+    evaluated = config.eval.batch_size
     splits = [built.task.eval_examples(split) for split in ("validation", "test")]
-    largest = max((n for n in splits if n), default=0)  # None: no end known, 0: no split
-    evaluated = min(config.eval.batch_size, largest) if None not in splits else \
-        config.eval.batch_size
+    if None not in splits:  # None: a split of no known size; 0: no split
+        evaluated = min(evaluated, max(splits))
     return ACTIVATION_COPIES * activation_bytes(built.model) * max(
         evaluated, 2 * config.train.global_batch_size)
 
 
 def _bytes(variables) -> int:
-    return sum(v.shape.num_elements() * v.dtype.size for v in variables)
+    return sum(map(_variable_bytes, variables))
+
+
+def _variable_bytes(variable) -> int:
+    return variable.shape.num_elements() * variable.dtype.size
 
 
 def peaks(built, placement, traffic) -> dict[str, int]:
@@ -121,7 +125,7 @@ def evaluator_peak(built) -> int:
     """The evaluator task's peak: SidecarEvaluator restores each checkpoint into a
     whole model of its own."""
     variables = built.model.variables
-    largest = max((v.shape.num_elements() * v.dtype.size for v in variables), default=0)
+    largest = max(map(_variable_bytes, variables), default=0)
     return memory.BASELINE_BYTES + _bytes(variables) + largest
 
 
