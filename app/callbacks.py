@@ -1,4 +1,8 @@
-"""Keras callbacks of a training run, and the list `fit` gets."""
+"""Keras callbacks of a training run, and the list `fit` gets.
+
+The project's own callbacks speak to both Kerases (`Callback`); the backup and
+TensorBoard callbacks are each dialect's own (`app.dialects`).
+"""
 
 from __future__ import annotations
 
@@ -18,9 +22,50 @@ from app.workdir import BACKUP_DIR, CHECKPOINT_DIR, HISTORY_FILE, write_json
 log = logging.getLogger(__name__)
 
 
+class Callback:
+    """A callback both Kerases' CallbackLists take: the hooks of `keras.callbacks.Callback`
+    (Keras 3) and of `tf_keras.callbacks.Callback` (Keras 2), all doing nothing, and
+    `model` and `params` once the list sets them."""
+
+    # tf_keras asks whether to pass its logs as tensors, and which batch hooks to call.
+    _supports_tf_logs = False
+
+    def __init__(self):
+        self.model = None
+        self.params: dict = {}
+
+    def set_model(self, model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict) -> None:
+        self.params = params
+
+    def _implements_train_batch_hooks(self) -> bool:
+        return True
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return False
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        # on_train_begin, on_test_batch_end, ...: every hook a class does not define.
+        if name.startswith("on_"):
+            return _nothing
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+_nothing._is_default = True  # Keras 3 runs the batch hooks of such callbacks asynchronously
+
+
 def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
-                 model: keras.Model, throughput: Throughput, evaluations: list[Evaluation],
-                 resumable: bool = True) -> list[keras.callbacks.Callback]:
+                 model, throughput: Throughput, evaluations: list[Evaluation],
+                 resumable: bool = True, dialect=None) -> list:
     """The callbacks of a run, in order: throughput stops its clock first; the
     evaluations add their results to the epoch's logs before the history record,
     the backup, TensorBoard and History see them (an epoch's backup is taken
@@ -30,20 +75,20 @@ def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
     fit() resumes through `Backup` (`resumable`); sync_ps.fit keeps its own."""
     backup_dir = workdir / BACKUP_DIR
     every = config.debug.log_every_steps
-    cbs: list[keras.callbacks.Callback] = [
+    cbs: list = [
         throughput,
         *evaluations,
         HistoryRecord(backup_dir / HISTORY_FILE),
         # Resumes an interrupted run; emptied when fit() ends.
-        *([Backup(str(backup_dir), config.checkpoint.every_steps)] if resumable else []),
+        *([dialect.backup(backup_dir, config.checkpoint.every_steps)] if resumable else []),
         EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
-        keras.callbacks.TensorBoard(str(outdir / "tensorboard"), update_freq="epoch"),
+        dialect.tensorboard(outdir / "tensorboard"),
         *([StepLog(every)] if every else []),
     ]
     return cbs
 
 
-def earlier_history(cbs: list[keras.callbacks.Callback]) -> list[dict[str, float]]:
+def earlier_history(cbs: list) -> list[dict[str, float]]:
     """metrics.json's history rows of the epochs an interrupted run finished before
     this run resumed it (Keras' History holds this run's epochs only)."""
     return next((cb.earlier for cb in cbs if isinstance(cb, HistoryRecord)), [])
@@ -142,7 +187,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         raise preemption.preempted(self.backup_dir)
 
 
-class HistoryRecord(keras.callbacks.Callback):
+class HistoryRecord(Callback):
     """Each epoch's history row, kept in the workdir until training ends, so that
     a resumed run's metrics.json covers the epochs before it too (`earlier`)."""
 
@@ -182,7 +227,7 @@ class HistoryRecord(keras.callbacks.Callback):
             self.path.unlink(missing_ok=True)
 
 
-class StepLog(keras.callbacks.Callback):
+class StepLog(Callback):
     """Logs `step S` every `every` steps, S counted from the run's first step
     (a resumed run goes on counting); under a ClusterCoordinator, steps
     scheduled. The fault tests kill a task at a step read from it."""
@@ -206,7 +251,7 @@ class StepLog(keras.callbacks.Callback):
             log.info("step %d", after)
 
 
-class Throughput(keras.callbacks.Callback):
+class Throughput(Callback):
     """Steady-state training examples per second.
 
     Counts only the time between consecutive batch ends inside an epoch, so
@@ -273,7 +318,7 @@ class Throughput(keras.callbacks.Callback):
         return round(self.steps * self.global_batch_size / self.seconds, 1)
 
 
-class Evaluation(keras.callbacks.Callback):
+class Evaluation(Callback):
     """Evaluates a dataset after each epoch and adds `<prefix>*` to the epoch's logs."""
 
     def __init__(self, dataset: tf.data.Dataset,
@@ -292,14 +337,14 @@ class Evaluation(keras.callbacks.Callback):
             f"{self.prefix}{name} {results[name]:.4f}" for name in names if name in results))
 
 
-class EpochCheckpoint(keras.callbacks.Callback):
+class EpochCheckpoint(Callback):
     """`tf.train.CheckpointManager` checkpoints of the model after each epoch.
 
     Written as `tf.train.Checkpoint(model=...)`, the layout SidecarEvaluator
     reads; the manager keeps the newest `keep`.
     """
 
-    def __init__(self, model: keras.Model, directory: pathlib.Path, keep: int):
+    def __init__(self, model, directory: pathlib.Path, keep: int):
         super().__init__()
         self.manager = tf.train.CheckpointManager(
             tf.train.Checkpoint(model=model), str(directory), max_to_keep=keep)

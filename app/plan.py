@@ -68,14 +68,15 @@ class Built:
     model: Any
     optimizer: Any
     created: list
+    dialect: Any = None  # app.dialects' module of the model's Keras
 
 
 def build(config: cfg.Config) -> Built:
     """Build `config`'s model and optimizer, recording every variable's creation."""
     import tensorflow as tf
 
+    from app import dialects, tf_internal, trainer
     from app import task as tasks
-    from app import tf_internal, trainer
 
     created: list[tf.Variable] = []
 
@@ -93,9 +94,10 @@ def build(config: cfg.Config) -> Built:
     task, config = tasks.create(config)
     with tf.variable_creator_scope(record):
         model = task.build_model()
-        optimizer = trainer.optimizer(config, task, steps_per_epoch=1)
+        dialect = dialects.of(model, task)
+        optimizer = trainer.optimizer(config, task, steps_per_epoch=1, dialect=dialect)
         optimizer.build(model.trainable_variables)
-    return Built(config, task, model, optimizer, created)
+    return Built(config, task, model, optimizer, created, dialect)
 
 
 def _large(kwargs: dict) -> tuple | None:
@@ -122,12 +124,13 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     """The placement and per-step traffic of the built model on `num_ps` ps tasks."""
     from app import parameter_server
 
-    config, task, model, optimizer, created = (
-        built.config, built.task, built.model, built.optimizer, built.created)
+    config, task, model, created = built.config, built.task, built.model, built.created
     partitioner = parameter_server.partitioner(config.ps, num_ps)
-    trainable = {id(v) for v in model.trainable_variables}
-    slots = _slots(optimizer, model.trainable_variables)
-    reported = {id(v) for v in model.variables + optimizer.variables()}
+    variable = built.dialect.tf_variable
+    trainable = {id(variable(v)) for v in model.trainable_variables}
+    every = built.dialect.variables(model, built.optimizer)
+    slots = _slots(every, model.trainable_variables, variable)
+    reported = {id(v) for v in every}
 
     shards: list[Shard] = []
     read = [0] * num_ps
@@ -195,11 +198,15 @@ def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
     return total
 
 
-def _slots(optimizer, variables) -> dict[int, int]:
-    """id(slot) -> id(its variable): tf_keras names a slot "<slot>/<variable>"."""
-    primaries = {v._shared_name: id(v) for v in variables}
+def _slots(every: list, variables: list, variable: Any) -> dict[int, int]:
+    """id(slot) -> id(its variable) among `every` variable of a model and its optimizer:
+    tf_keras names a slot "<slot>/<variable>" (Keras 3's are not matched: they are
+    placed as variables of their own)."""
+    primaries = {variable(v)._shared_name: id(variable(v)) for v in variables}
     out = {}
-    for var in optimizer.variables():
+    for var in every:
+        if not hasattr(var, "name"):  # a lookup table's handler
+            continue
         _, sep, rest = var.name.removesuffix(":0").partition("/")
         if sep and rest in primaries:
             out[id(var)] = primaries[rest]

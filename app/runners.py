@@ -16,6 +16,7 @@ outputs, exact evaluation, the fit loop, what is exported and its extra metrics.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import pathlib
@@ -28,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import parameter_server, ps_evaluation, sync_ps
+from app import dialects, parameter_server, ps_evaluation, sync_ps
 from app import strategy as strategies
 from app.cluster import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
@@ -51,6 +52,7 @@ class SingleHost:
         self.name = strategies.describe(strategy)
         self.all_reduces = self.name == "MirroredStrategy"
         self.coordinator = None
+        self.dialect = None  # the task's Keras (app.dialects), once `build` has seen its model
 
     # -- checks and sizes -------------------------------------------------------------
 
@@ -112,18 +114,26 @@ class SingleHost:
 
     # -- the run -----------------------------------------------------------------------
 
-    def build(self, task: Task, optimizer: keras.optimizers.Optimizer) -> keras.Model:
-        """The task's model, its variables created under the strategy, compiled."""
+    def build(self, task: Task, make_optimizer: Callable[[Any], Any]) -> keras.Model:
+        """The task's model, its variables created under the strategy, compiled with
+        `make_optimizer(dialect)`, in the Keras the model is written in."""
         with self.strategy.scope():
-            model = self.wrap(task.build_model())
-            model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
-                          loss_weights=task.loss_weights(),
-                          weighted_metrics=task.weighted_metrics(),
-                          steps_per_execution=self.config.train.steps_per_execution,
-                          jit_compile=self.config.train.jit_compile)
-            with self.slot_device():
-                model.optimizer.build(model.trainable_variables)  # slots now, for placement
+            model = task.build_model()
+            self.dialect = dialects.of(model, task)
+            self.dialect.check_runner(type(self).__name__, self.config, task)
+            model = self.wrap(model)
+            optimizer = make_optimizer(self.dialect)
+            dialects.check_optimizer(optimizer, self.dialect, task)
+            self.dialect.compile(model, optimizer, task, self.config)
+            self.build_optimizer(model, task)  # slots now, for placement
         return model
+
+    def build_optimizer(self, model, task: Task) -> None:
+        self.dialect.build_optimizer(model, self.train_fn(task), self.slot_device())
+
+    def train_fn(self, task: Task) -> DatasetFn:
+        """The task's training input at the batch this kind of run splits."""
+        return functools.partial(task.train_dataset, global_batch_size=self.input_batch)
 
     def slot_device(self) -> contextlib.AbstractContextManager:
         """Where the optimizer's slots get their initial values."""
@@ -138,17 +148,15 @@ class SingleHost:
 
     def evaluator(self, model: keras.Model, task: Task) -> Evaluate:
         """evaluate(dataset) -> {"loss": ..., metric: ...}, every example exactly once."""
-        return lambda dataset: model.evaluate(dataset, verbose=0, return_dict=True)
+        return lambda dataset: self.dialect.evaluate(model, dataset)
 
     def fit(self, model: keras.Model, dataset_fn: DatasetFn,
             callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
             workdir: pathlib.Path) -> keras.callbacks.History:
         """Train; `callbacks` hold the backup fit() resumes from (in `workdir`)."""
-        return model.fit(
-            keras.utils.experimental.DatasetCreator(
-                dataset_fn, input_options=strategies.input_options(self.strategy)),
-            epochs=self.config.train.epochs, steps_per_epoch=steps_per_epoch,
-            callbacks=callbacks, verbose=_verbose(self.config.train.verbose))
+        return self.dialect.fit(model, dataset_fn, self.strategy, callbacks,
+                                self.config.train.epochs, steps_per_epoch,
+                                _verbose(self.config.train.verbose))
 
     def serving(self, model: keras.Model) -> keras.Model:
         """The trained model to export."""
@@ -228,6 +236,7 @@ class AsyncPS(SingleHost):
         self._workers, self._ps = cluster.num_workers, cluster.num_ps
         self.straggler = self._straggler()
         self.placement: parameter_server.Placement | None = None
+        self.steps = None  # what the dialect's build_coordinated readied
 
     def check(self) -> None:
         # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
@@ -261,16 +270,24 @@ class AsyncPS(SingleHost):
             raise TaskLost(f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} "
                            f"became unreachable; {_stopped(workdir)}") from None
 
-    def build(self, task, optimizer):
+    def build(self, task, make_optimizer):
         try:
-            model = super().build(task, optimizer)
+            model = super().build(task, make_optimizer)
         except ValueError as e:  # a layer of the task's own with a mixed_float16 policy
             if "Mixed precision is not supported" not in str(e):
                 raise
             raise ConfigError(MIXED_FLOAT16.format(name=self.name)) from None
         self.placement = parameter_server.placement(
-            model.variables + model.optimizer.variables(), self._ps)
+            self.dialect.variables(model, model.optimizer), self._ps)
         return model
+
+    def build_optimizer(self, model, task):
+        self.steps = self.dialect.build_coordinated(model, task, self.train_fn(task),
+                                                    self.slot_device())
+
+    @property
+    def resumable(self) -> bool:
+        return not self.dialect.LOOP_BACKUP
 
     def slot_device(self):
         # Keras' optimizers compute each slot's initial value eagerly, as a tensor
@@ -295,7 +312,10 @@ class AsyncPS(SingleHost):
         dataset_fn = per_worker(dataset_fn, self._workers)
         if self.straggler:  # its train step needs to know which worker reads the batch
             dataset_fn = sync_ps.with_worker_id(dataset_fn)
-        return super().fit(model, dataset_fn, callbacks, steps_per_epoch, workdir)
+        return self.dialect.fit_coordinated(
+            model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
+            steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
+            self.config.checkpoint.every_steps)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is
@@ -375,7 +395,8 @@ class SyncPS(AsyncPS):
                                       self.config.checkpoint.every_steps))
         return history
 
-    def build(self, task, optimizer):
+    def build(self, task, make_optimizer):
+        model = super().build(task, make_optimizer)  # refuses a Keras 3 model
         loss = task.loss()
         # sync_ps's own step computes one loss of (features, labels): what Keras'
         # compile would add for several outputs or a model's own train_step is not there.
@@ -391,7 +412,6 @@ class SyncPS(AsyncPS):
         # Per-example losses: sync_ps averages them itself (Keras refuses a batch
         # mean inside a function the coordinator schedules).
         self._task_loss.reduction = keras.losses.Reduction.NONE
-        model = super().build(task, optimizer)
         self._refuse(type(model).train_step is not keras.Model.train_step,
                      f"ps.mode = sync runs its own training step (app/sync_ps.py), so the "
                      f"train_step of {type(model).__name__} would not run; use ps.mode = async "

@@ -8,7 +8,6 @@ differs lives in the runner (`app.runners`).
 
 from __future__ import annotations
 
-import functools
 import logging
 import pathlib
 import resource
@@ -16,13 +15,12 @@ import time
 from typing import Any
 
 import tensorflow as tf
-import tf_keras as keras
 
-from app import callbacks, data, optimizers, runners
+from app import callbacks, data, dialects, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
-from app.workdir import METRICS_FILE, save_dir, storage_error, write_json
+from app.workdir import METRICS_FILE, storage_error, write_json
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +35,7 @@ def run(config: Config, workdir: pathlib.Path, *,
     runner.check()  # before anything is written
     steps_per_epoch = _steps_per_epoch(config, task)
     # Keras' dtype policy is global; it applies to every layer built during the run.
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(config.train.precision)
+    restore_precision = dialects.set_precision(config.train.precision)
     data.use_storage(workdir)  # large in-memory arrays go through files there
     try:
         with runner.guard(pathlib.Path(workdir)):
@@ -47,17 +44,17 @@ def run(config: Config, workdir: pathlib.Path, *,
         # A full or read-only workdir mid-run: one line that names it, exit code 2.
         raise storage_error(e, pathlib.Path(workdir)) or e from None
     finally:
-        keras.mixed_precision.set_global_policy(previous)
+        restore_precision()
         data.use_storage(None)
 
 
 def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.SingleHost,
            steps_per_epoch: int) -> dict[str, Any]:
     start = time.perf_counter()
-    keras.utils.set_random_seed(config.train.seed)
+    dialects.set_random_seed(config.train.seed)
     log.info("%s: %d replica(s), task %s, %d steps per epoch", runner.name, runner.num_replicas,
              config.task.name, steps_per_epoch)
-    model = runner.build(task, optimizer(config, task, steps_per_epoch))
+    model = runner.build(task, lambda dialect: optimizer(config, task, steps_per_epoch, dialect))
     for line in runner.report():
         log.info("%s", line)
     evaluate = runner.evaluator(model, task)
@@ -67,15 +64,15 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     outdir = runner.outdir(workdir)
     run_callbacks = callbacks.for_training(
         config, workdir, outdir, model, throughput, _evaluations(config, task, evaluate, test_ds),
-        resumable=runner.resumable)
-    train_fn = functools.partial(task.train_dataset, global_batch_size=runner.input_batch)
+        resumable=runner.resumable, dialect=runner.dialect)
+    train_fn = runner.train_fn(task)
     history = runner.fit(model, train_fn, run_callbacks, steps_per_epoch, workdir)
     test = evaluate(test_ds)
-    served = task.serving_model(runner.serving(model))
     # Whole or absent, never half-written.
-    save_dir(outdir / "export", lambda path: served.save(path, save_format="tf"))
+    runner.dialect.export(task.serving_model(runner.serving(model)), outdir)
     metrics = {**_common(config, task, runner, history, model, test, throughput,
                          earlier=callbacks.earlier_history(run_callbacks)),
+               "keras": runner.dialect.NAME,
                "wall_seconds": round(time.perf_counter() - start, 2),
                **runner.metrics(model), **task.report(model, test)}
     if runner.writes:
@@ -115,7 +112,7 @@ def _evaluations(config: Config, task: Task, evaluate: runners.Evaluate,
 
 
 def _common(config: Config, task: Task, runner: runners.SingleHost,
-            history: keras.callbacks.History, model: keras.Model, test: dict[str, float],
+            history, model, test: dict[str, float],
             throughput: callbacks.Throughput, earlier: list[dict]) -> dict[str, Any]:
     """The fields metrics.json has for every run; `earlier`: the history rows of the
     epochs an interrupted run finished before this run resumed it."""
@@ -131,7 +128,7 @@ def _common(config: Config, task: Task, runner: runners.SingleHost,
         "num_ps": runner.num_ps,
         "global_batch_size": config.train.global_batch_size,
         "epochs_completed": history.epoch[-1] + 1 if history.epoch else config.train.epochs,
-        "steps": int(model.optimizer.iterations.numpy()),
+        "steps": runner.dialect.steps(model),
         **{f"test_{name}": float(value) for name, value in test.items()},
         **({"num_test_examples": examples} if examples is not None else {}),
         "train_examples_per_sec": examples_per_sec,
@@ -174,37 +171,30 @@ def summary_line(metrics: dict[str, Any]) -> str:
             f"wall_seconds={metrics['wall_seconds']:.1f}")
 
 
-def optimizer(config: Config, task: Task, steps_per_epoch: int) -> keras.optimizers.Optimizer:
-    """The task's own optimizer, else `train.optimizer`, with the configured compression."""
-    lr = learning_rate(config, steps_per_epoch)
+def optimizer(config: Config, task: Task, steps_per_epoch: int, dialect):
+    """The task's own optimizer, else `train.optimizer`, in the task's Keras (`dialect`)."""
+    lr = learning_rate(config, steps_per_epoch, dialect)
     own = task.optimizer(lr)
     if own is not None:
         return own
-    kind, kwargs = {"adam": (optimizers.Adam, {}),
-                    "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
-                    "adagrad": (optimizers.Adagrad, {})}[config.train.optimizer]
-    if config.sync.compression == "fp16":
-        kind = optimizers.fp16_all_reduce(kind)
-    if config.ps.compression == "fp16":
-        kind = optimizers.fp16_push(kind)
-    return kind(lr, **kwargs)
+    return dialect.optimizer(config.train.optimizer, lr, config)
 
 
-def learning_rate(config: Config, steps_per_epoch: int
-                  ) -> float | keras.optimizers.schedules.LearningRateSchedule:
+def learning_rate(config: Config, steps_per_epoch: int, dialect) -> Any:
     """The learning rate, or its schedule over optimizer steps."""
     t = config.train
+    schedules = dialect.schedules()
     if t.lr_schedule == "cosine":
-        return keras.optimizers.schedules.CosineDecay(
+        return schedules.CosineDecay(
             t.learning_rate, decay_steps=t.epochs * steps_per_epoch, alpha=t.final_lr_fraction)
     if t.lr_schedule == "cosine_restarts":
-        return keras.optimizers.schedules.CosineDecayRestarts(
+        return schedules.CosineDecayRestarts(
             t.learning_rate, first_decay_steps=t.lr_cycle_epochs * steps_per_epoch,
             t_mul=1.0, m_mul=t.lr_cycle_decay, alpha=t.final_lr_fraction)
     return t.learning_rate
 
 
-def _history(history: keras.callbacks.History) -> list[dict[str, float]]:
+def _history(history) -> list[dict[str, float]]:
     keys = sorted(history.history)
     return [{"epoch": epoch + 1, **{k: round(float(history.history[k][i]), 6) for k in keys}}
             for i, epoch in enumerate(history.epoch)]

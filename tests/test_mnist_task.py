@@ -1,8 +1,10 @@
 """The built-in MNIST task: its input pipelines, splits, sources and models."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from app import config as cfg
 from app import task as tasks
@@ -152,14 +154,16 @@ def test_bad_task_parameters_name_the_field(override, message):
     assert message in str(e.value)
 
 
-def test_cnn_is_the_classic_network():
-    model = mnist.cnn((28, 28, 1), 10, dropout=0.5)
+@pytest.mark.parametrize("kerases", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_cnn_is_the_classic_network(kerases):
+    model = mnist.cnn(kerases, (28, 28, 1), 10, dropout=0.5)
     # conv 5x5x32, conv 5x5x64, dense 7*7*64 -> 1024, dense 1024 -> 10
     expected = (5 * 5 * 32 + 32) + (5 * 5 * 32 * 64 + 64) + (3136 * 1024 + 1024) + (1024 * 10 + 10)
     assert model.count_params() == expected
     assert model(np.zeros((2, 28, 28, 1), np.uint8)).shape == (2, 10)
 
 
-def test_mlp_is_the_512_128_128_stack():
-    model = mnist.mlp((28, 28, 1), 10)
+@pytest.mark.parametrize("kerases", [keras, tf_keras], ids=["keras", "tf_keras"])
+def test_mlp_is_the_512_128_128_stack(kerases):
+    model = mnist.mlp(kerases, (28, 28, 1), 10)
     assert [layer.units for layer in model.layers if hasattr(layer, "units")] == [512, 128, 128, 10]

@@ -93,7 +93,7 @@ from app.tasks import mnist
 conf = config.load(None, [f"sync.bytes_per_pack={sys.argv[1]}"])
 s = strategy.create("auto", cluster.read(), conf)
 with s.scope():
-    model = mnist.cnn((28, 28, 1), 10, dropout=0.5)
+    model = mnist.cnn(tf_keras, (28, 28, 1), 10, dropout=0.5)
     optimizer = tf_keras.optimizers.Adam()
 
 @tf.function

@@ -22,6 +22,7 @@ import zoo
 from app import cluster as clusters
 from app import config as cfg
 from app import parameter_server, plan, runners, trainer
+from app.dialects import keras2
 from launch import inprocess
 from tests.conftest import tiny_task
 
@@ -125,7 +126,8 @@ def test_fp16_push_casts_on_the_worker_and_back_on_the_ps(ps_strategy):
         v = tf.Variable([0.0, 0.0])
         settings = config("ps.compression=fp16", "train.optimizer=sgd",
                           "train.lr_schedule=constant", "train.learning_rate=1.0")
-        optimizer = trainer.optimizer(settings, tiny_task(settings), steps_per_epoch=1)
+        optimizer = trainer.optimizer(settings, tiny_task(settings), steps_per_epoch=1,
+                                      dialect=keras2)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(ps_strategy)
 
     @tf.function
@@ -268,7 +270,7 @@ class _Float16Layer(LargeArrays):
 def test_a_mixed_float16_layer_of_the_tasks_own_is_refused_by_name(ps_strategy, ps_cluster):
     runner = runners.create(cfg.Config(), ps_cluster, ps_strategy)
     with pytest.raises(cfg.ConfigError) as e:
-        runner.build(_Float16Layer(), keras.optimizers.SGD())
+        runner.build(_Float16Layer(), lambda dialect: keras.optimizers.SGD())
     assert str(e.value) == (
         "the mixed_float16 policy (train.precision, or a layer's dtype) needs loss scaling, "
         "which Keras does not support under ParameterServerStrategy; use train.precision = "

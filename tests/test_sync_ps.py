@@ -143,7 +143,7 @@ def test_sync_refuses_a_loss_that_is_not_a_loss_object(ps_strategy, ps_cluster):
     runner = runners.create(_config("train.epochs=1"), ps_cluster, ps_strategy)
     task = _FunctionLoss.from_arrays(tiny_split(60), None, tiny_split(10))
     with pytest.raises(cfg.ConfigError) as e:
-        runner.build(task, keras.optimizers.SGD())
+        runner.build(task, lambda dialect: keras.optimizers.SGD())
     assert str(e.value) == (
         "ps.mode = sync needs the task's loss as a keras.losses.Loss, and task _FunctionLoss "
         "gives a function; wrap it in keras.losses.LossFunctionWrapper or use ps.mode = async")

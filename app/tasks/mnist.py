@@ -17,9 +17,8 @@ from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
-from app import data, idx
+from app import data, dialects, idx
 from app.config import ConfigError, field
 from app.task import Task
 
@@ -54,6 +53,8 @@ class Params:
     shuffle_buffer: int = field(60000, minimum=0)
     # Random translation of up to this many pixels in each direction (0 = off).
     augment_shift: int = field(0, minimum=0)
+    # The Keras the model is written in: "tf_keras" (Keras 2) or "keras" (Keras 3).
+    keras: str = field("tf_keras", choices=dialects.NAMES)
 
     def __post_init__(self):
         name = self.source
@@ -111,10 +112,14 @@ class Mnist(Task):
             self._splits = _subset(_load(self.params, self.seed), self.params)
         return self._splits
 
-    def build_model(self) -> keras.Model:
+    @property
+    def keras(self):
+        return dialects.module(self.params.keras)
+
+    def build_model(self):
         if self.params.model == "mlp":
-            return mlp(SHAPE, CLASSES)
-        return cnn(SHAPE, CLASSES, self.params.dropout)
+            return mlp(self.keras, SHAPE, CLASSES)
+        return cnn(self.keras, SHAPE, CLASSES, self.params.dropout)
 
     def train_dataset(self, context, global_batch_size):
         p = self.params
@@ -136,10 +141,10 @@ class Mnist(Task):
         return self.splits.num_validation if split == "validation" else self.splits.num_test
 
     def loss(self):
-        return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        return self.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     def metrics(self):
-        return [keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
+        return [self.keras.metrics.SparseCategoricalAccuracy(name="accuracy")]
 
 
 def _load(params: Params, seed: int) -> Splits:
@@ -249,16 +254,17 @@ def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> 
     return tf.gather(shifted, cols, axis=2, batch_dims=1)
 
 
-def _scaled_input(input_shape) -> tuple[keras.layers.Layer, keras.layers.Layer]:
+def _scaled_input(keras, input_shape) -> tuple:
     """Raw uint8 pixels in, floats in [0, 1] out: the export serves raw images."""
     inputs = keras.Input(shape=tuple(input_shape), dtype="uint8", name="image")
     return inputs, keras.layers.Rescaling(1 / 255)(inputs)
 
 
-def cnn(input_shape, num_classes: int, dropout: float) -> keras.Model:
-    """The classic distributed-MNIST network: two 5x5 conv/pool blocks, dense 1024, dropout."""
+def cnn(keras, input_shape, num_classes: int, dropout: float):
+    """The classic distributed-MNIST network: two 5x5 conv/pool blocks, dense 1024, dropout,
+    in `keras` (either Keras: the same layers)."""
     layers = keras.layers
-    inputs, x = _scaled_input(input_shape)
+    inputs, x = _scaled_input(keras, input_shape)
     x = layers.Conv2D(32, 5, padding="same", activation="relu")(x)
     x = layers.MaxPooling2D()(x)
     x = layers.Conv2D(64, 5, padding="same", activation="relu")(x)
@@ -270,10 +276,10 @@ def cnn(input_shape, num_classes: int, dropout: float) -> keras.Model:
     return keras.Model(inputs, layers.Dense(num_classes, dtype="float32")(x), name="cnn")
 
 
-def mlp(input_shape, num_classes: int) -> keras.Model:
+def mlp(keras, input_shape, num_classes: int):
     """The classic multi-GPU tower example's fully connected 512-128-128 stack."""
     layers = keras.layers
-    inputs, x = _scaled_input(input_shape)
+    inputs, x = _scaled_input(keras, input_shape)
     x = layers.Flatten()(x)
     for units in (512, 128, 128):
         x = layers.Dense(units, activation="relu")(x)

@@ -1,0 +1,125 @@
+"""Keras 2 (`import tf_keras`): the dialect the project's machinery was first written in.
+
+Its optimizers (`app.optimizers`), backup (`app.callbacks.Backup`) and the
+ParameterServerStrategy path of Keras' own `fit` are tf_keras' own; this module
+is the face they show the trainer (see `app.dialects`).
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+import tensorflow as tf
+import tf_keras as keras
+
+from app import callbacks, optimizers
+from app import strategy as strategies
+from app.workdir import save_dir
+
+NAME = "tf_keras"
+LABEL = "Keras 2 (tf_keras)"
+IMPORT = "import tf_keras as keras"
+
+
+def owns(obj: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "tf_keras" for c in type(obj).__mro__)
+
+
+def global_policy() -> str:
+    return keras.mixed_precision.global_policy().name
+
+
+def set_global_policy(policy: str) -> None:
+    keras.mixed_precision.set_global_policy(policy)
+
+
+def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
+    """`train.optimizer`, with the configured gradient compression."""
+    cls, kwargs = {"adam": (optimizers.Adam, {}),
+                   "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
+                   "adagrad": (optimizers.Adagrad, {})}[kind]
+    if config.sync.compression == "fp16":
+        cls = optimizers.fp16_all_reduce(cls)
+    if config.ps.compression == "fp16":
+        cls = optimizers.fp16_push(cls)
+    return cls(learning_rate, **kwargs)
+
+
+def schedules():
+    return keras.optimizers.schedules
+
+
+def compile(model: keras.Model, optimizer, task, config) -> None:
+    """Compile `model` with the task's loss and metrics."""
+    model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+                  loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics(),
+                  steps_per_execution=config.train.steps_per_execution,
+                  jit_compile=config.train.jit_compile)
+
+
+def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
+    """The optimizer's slots, now (under `slot_device`), so that they can be placed."""
+    with slot_device:
+        model.optimizer.build(model.trainable_variables)
+
+
+# tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among its
+# callbacks.
+LOOP_BACKUP = False
+
+
+def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None:
+    build_optimizer(model, dataset_fn, slot_device)
+
+
+def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
+                    epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
+                    every_steps: int) -> keras.callbacks.History:
+    return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs, steps_per_epoch,
+               verbose)
+
+
+def tf_variable(variable):
+    """The TensorFlow variable of a model's variable: itself."""
+    return variable
+
+
+def variables(model: keras.Model, optimizer) -> list:
+    """The variables of the model and of `optimizer` (its slots, its step)."""
+    return model.variables + optimizer.variables()
+
+
+def steps(model: keras.Model) -> int:
+    return int(model.optimizer.iterations.numpy())
+
+
+def backup(backup_dir: pathlib.Path, every_steps: int):
+    return callbacks.Backup(str(backup_dir), every_steps)
+
+
+def tensorboard(log_dir: pathlib.Path):
+    return keras.callbacks.TensorBoard(str(log_dir), update_freq="epoch")
+
+
+def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
+        steps_per_epoch: int, verbose) -> keras.callbacks.History:
+    """Keras' fit, each input pipeline made by `dataset_fn` on its worker (under a
+    ClusterCoordinator too: tf_keras' fit drives it)."""
+    return model.fit(
+        keras.utils.experimental.DatasetCreator(
+            dataset_fn, input_options=strategies.input_options(strategy)),
+        epochs=epochs, steps_per_epoch=steps_per_epoch, callbacks=callbacks_, verbose=verbose)
+
+
+def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
+    return model.evaluate(dataset, verbose=0, return_dict=True)
+
+
+def export(model: keras.Model, directory: pathlib.Path) -> None:
+    """A SavedModel at `directory`/export, whole or absent."""
+    save_dir(directory / "export", lambda path: model.save(path, save_format="tf"))
+
+
+def check_runner(kind: str, config, task) -> None:
+    """Every strategy kind trains Keras 2 models."""

@@ -1,0 +1,233 @@
+"""Keras 3 (`import keras`, and `tf.keras` since TensorFlow 2.16), on TensorFlow.
+
+One process, MirroredStrategy and MultiWorkerMirroredStrategy train through Keras
+3's own `fit` in the strategy's scope. Keras 3's `fit` has no
+ParameterServerStrategy (keras-team/keras#18624): there the project runs its own
+loop on the ClusterCoordinator (`app.dialects.keras3_ps`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import tempfile
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from app import preemption
+from app import strategy as strategies
+from app.config import ConfigError
+from app.dialects import keras3_ps
+from app.workdir import save_dir
+
+log = logging.getLogger(__name__)
+
+NAME = "keras"
+LABEL = "Keras 3 (keras, tf.keras)"
+IMPORT = "import keras"
+# Beside the SavedModel: the native Keras 3 file of the trained model.
+KERAS_FILE = "model.keras"
+
+
+def owns(obj: Any) -> bool:
+    return any(c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__)
+
+
+def global_policy() -> str:
+    return keras.config.dtype_policy().name
+
+
+def set_global_policy(policy: str) -> None:
+    keras.config.set_dtype_policy(policy)
+
+
+def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
+    """`train.optimizer`, as Keras 3 has it; the gradient compressions are Keras 2's."""
+    for key, value in (("sync.compression", config.sync.compression),
+                       ("ps.compression", config.ps.compression)):
+        if value != "none":
+            raise ConfigError(f"{key} = {value} compresses the gradients of Keras 2 (tf_keras) "
+                              "models; this task's model is Keras 3. Set it to none")
+    if kind == "sgd":
+        return keras.optimizers.SGD(learning_rate, momentum=0.9)
+    return {"adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad}[kind](
+        learning_rate)
+
+
+def schedules():
+    return keras.optimizers.schedules
+
+
+def compile(model: keras.Model, optimizer, task, config) -> None:
+    """Compile `model` with the task's loss and metrics."""
+    model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+                  loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics(),
+                  steps_per_execution=config.train.steps_per_execution,
+                  jit_compile=config.train.jit_compile)
+
+
+def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
+    """The optimizer's slots, now (under `slot_device`), so that they can be placed;
+    the metrics' and the loss tracker's variables too (`prebuild`)."""
+    with slot_device:
+        model.optimizer.build(model.trainable_variables)
+    prebuild(model, dataset_fn)
+
+
+def prebuild(model: keras.Model, dataset_fn) -> None:
+    """Build what Keras 3 builds from the first batch, from the shapes of `dataset_fn`'s
+    elements instead, in the strategy's scope.
+
+    Under a strategy Keras 3.15's fit() and evaluate() read a batch first and
+    average it over the replicas to build the model (TensorFlowTrainer
+    `_maybe_symbolic_build`): that batch is not trained on, and a model that
+    takes strings fails there (AddN has no string kernel). Built here from
+    blanks of the same shapes, the model does not need that batch: the step is
+    skipped. Under ParameterServerStrategy no step may create variables on a
+    worker, so they must exist before the first one is scheduled.
+    """
+    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    model._symbolic_build(data_batch=tf.nest.map_structure(_blank, spec))
+    model._maybe_symbolic_build = _built
+
+
+def _built(iterator=None, data_batch=None) -> None:
+    return None
+
+
+def _blank(spec: tf.TensorSpec) -> tf.Tensor:
+    shape = [1 if d is None else d for d in spec.shape]
+    return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
+
+
+# Under a ClusterCoordinator the loop is the project's own (keras3_ps.fit), and so is
+# its backup (keras3_ps.LoopBackup): the trainer adds no `backup` callback there.
+LOOP_BACKUP = True
+
+
+def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
+    """Ready `model` for steps scheduled on a ClusterCoordinator: what they run."""
+    keras3_ps.atomic_updates()
+    steps = keras3_ps.Steps(model, task, slot_device)
+    prebuild(model, dataset_fn)
+    return steps
+
+
+def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
+                    epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
+                    every_steps: int) -> keras.callbacks.History:
+    """The project's loop on the coordinator (Keras 3's fit has none)."""
+    return keras3_ps.fit(built, coordinator, dataset_fn, epochs=epochs,
+                         steps_per_epoch=steps_per_epoch, callbacks=callbacks_, verbose=verbose,
+                         backup=keras3_ps.LoopBackup(coordinator, model, backup_dir,
+                                                     every_steps))
+
+
+def tf_variable(variable):
+    """The TensorFlow variable behind a Keras 3 variable (itself, for anything else)."""
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
+def variables(model: keras.Model, optimizer) -> list:
+    """The TensorFlow variables of the model and `optimizer` (a Keras 3 variable
+    wraps one, a ShardedVariable under a partitioner)."""
+    return [tf_variable(v) for v in [*model.variables, *optimizer.variables]]
+
+
+def steps(model: keras.Model) -> int:
+    return int(model.optimizer.iterations.numpy())
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    """Keras 3's BackupAndRestore in <workdir>/backup: saved at each epoch's end, every
+    `every_steps` steps, and at the first step after SIGTERM, after which it raises
+    `preemption.Preempted`.
+
+    Keras 3 resumes at the start of the epoch it saved in, from the weights and
+    optimizer state it saved (its fit() cannot start an epoch part-way): a run
+    stopped mid-epoch trains that epoch's first steps again. Only the task that
+    checkpoints writes (MultiWorkerMirrored: worker 0); every worker reads it.
+    """
+
+    def __init__(self, backup_dir: str, every_steps: int = 0):
+        super().__init__(backup_dir, save_freq=every_steps or "epoch", double_checkpoint=True)
+        self.sigterm = preemption.Sigterm()
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)
+        self.sigterm.install()
+
+    def on_train_batch_end(self, batch, logs=None):
+        super().on_train_batch_end(batch, logs)
+        if self.sigterm.requested():
+            self._last_batch_seen = batch
+            self._save_model()
+            self.sigterm.ignore()
+            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
+                        self._current_epoch + 1, batch + 1)
+            raise preemption.preempted(self.backup_dir)
+
+    def on_train_end(self, logs=None):
+        if self._writes():
+            super().on_train_end(logs)  # deletes the backup
+        self.sigterm.uninstall()
+
+    def _writes(self) -> bool:
+        return self.model.distribute_strategy.extended.should_checkpoint
+
+    def _save_model(self):
+        if self._writes():
+            super()._save_model()
+
+
+def backup(backup_dir: pathlib.Path, every_steps: int):
+    return Backup(str(backup_dir), every_steps)
+
+
+def tensorboard(log_dir: pathlib.Path):
+    return keras.callbacks.TensorBoard(str(log_dir), update_freq="epoch")
+
+
+def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
+        steps_per_epoch: int, verbose) -> keras.callbacks.History:
+    """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`."""
+    dataset = strategy.distribute_datasets_from_function(
+        dataset_fn, options=strategies.input_options(strategy))
+    return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                     callbacks=callbacks_, verbose=verbose, shuffle=False)
+
+
+def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
+    return {k: float(v) for k, v in model.evaluate(dataset, verbose=0,
+                                                    return_dict=True).items()}
+
+
+def export(model: keras.Model, directory: pathlib.Path) -> None:
+    """`directory`/export, a SavedModel whose `serve` takes the model's raw input
+    (Keras 3's `model.export`), and `directory`/model.keras; each whole or absent."""
+    save_dir(directory / "export",
+             lambda path: model.export(str(path), format="tf_saved_model", verbose=False))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".model-", suffix=".keras")
+    os.close(fd)
+    try:
+        model.save(tmp)
+        os.replace(tmp, directory / KERAS_FILE)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def check_runner(kind: str, config, task) -> None:
+    """Refuse what Keras 3 cannot do under strategy kind `kind`."""
+    name = type(task).__name__
+    if kind in ("AsyncPS", "SyncPS") and config.debug.slow_worker >= 0:
+        raise ConfigError(f"debug.slow_worker slows the steps of Keras 2 (tf_keras) models, "
+                          f"and task {name} builds a Keras 3 model; set it to -1")
+    if kind == "SyncPS":
+        raise ConfigError(
+            f"ps.mode = sync trains Keras 2 (tf_keras) models, and task {name} "
+            "builds a Keras 3 model; use ps.mode = async or MultiWorkerMirrored")
+

@@ -1,0 +1,102 @@
+"""The Keras of a task (app/dialects): found from its objects, both trained the same way."""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+from app import config as cfg
+from app import dialects, trainer
+from app.dialects import keras2, keras3
+from tests.conftest import one_device_reduction_mirrored, tiny_task
+
+
+def config(*overrides: str) -> cfg.Config:
+    return cfg.load(None, ["task.keras=keras", "train.epochs=1", "train.global_batch_size=16",
+                           "train.verbose=0", "eval.batch_size=32", *overrides])
+
+
+class _Losses:
+    """A task's objects: its loss and metrics, from either Keras."""
+
+    def __init__(self, loss, metrics=(), weighted=None):
+        self._loss, self._metrics, self._weighted = loss, metrics, weighted
+
+    def loss(self):
+        return self._loss
+
+    def metrics(self):
+        return self._metrics
+
+    def weighted_metrics(self):
+        return self._weighted
+
+
+def _model(kerases):
+    return kerases.Sequential([kerases.Input((2,)), kerases.layers.Dense(1)])
+
+
+@pytest.mark.parametrize("kerases, dialect", [(keras, keras3), (tf_keras, keras2)])
+def test_a_models_keras_is_its_dialect(kerases, dialect):
+    assert dialects.of(_model(kerases), _Losses("mse", ["mae"])) is dialect
+    assert dialects.of(_model(tf.keras), _Losses("mse")) is keras3  # tf.keras is Keras 3
+
+
+@pytest.mark.parametrize("model, objects, what", [
+    (keras, _Losses(tf_keras.losses.MeanSquaredError()), "loss (MeanSquaredError)"),
+    (keras, _Losses("mse", {"out": [tf_keras.metrics.AUC()]}), "metric (AUC)"),
+    (tf_keras, _Losses("mse", weighted=[keras.metrics.MeanAbsoluteError()]),
+     "weighted metric (MeanAbsoluteError)"),
+])
+def test_a_task_that_mixes_two_kerases_is_refused_naming_the_object(model, objects, what):
+    with pytest.raises(cfg.ConfigError) as e:
+        dialects.of(_model(model), objects)
+    ours, theirs = (keras3, keras2) if model is keras else (keras2, keras3)
+    assert str(e.value) == (
+        f"task _Losses mixes two Kerases: its model is {ours.LABEL} and its {what} is "
+        f"{theirs.LABEL}; build every object of a task with one of them ({ours.IMPORT} here)")
+
+
+def test_a_model_of_neither_keras_is_refused():
+    with pytest.raises(cfg.ConfigError) as e:
+        dialects.of(tf.Module(), _Losses("mse"))
+    assert str(e.value).startswith("task _Losses: build_model returned a ")
+    assert str(e.value).endswith("not a Keras model; return a keras.Model (Keras 3 (keras, "
+                                 "tf.keras)) or a tf_keras.Model (Keras 2 (tf_keras))")
+
+
+def test_gradient_compression_is_refused_for_keras3():
+    with pytest.raises(cfg.ConfigError) as e:
+        keras3.optimizer("adam", 0.1, config("sync.compression=fp16"))
+    assert str(e.value) == ("sync.compression = fp16 compresses the gradients of Keras 2 "
+                            "(tf_keras) models; this task's model is Keras 3. Set it to none")
+
+
+@pytest.fixture(scope="module")
+def keras3_runs(tmp_path_factory):
+    """The Keras 3 MNIST task trained on one process and under MirroredStrategy."""
+    runs = {}
+    for name, strategy in (("one", tf.distribute.get_strategy()),
+                           ("mirrored", one_device_reduction_mirrored())):
+        workdir = tmp_path_factory.mktemp(name)
+        runs[name] = (trainer.run(config(), workdir, strategy=strategy,
+                                  task=tiny_task(config())), workdir)
+    return runs
+
+
+@pytest.mark.parametrize("name, replicas", [("one", 1), ("mirrored", 2)])
+def test_a_keras3_task_trains_evaluates_exactly_and_exports(keras3_runs, tiny_datasets, name,
+                                                           replicas):
+    metrics, workdir = keras3_runs[name]
+    assert (metrics["keras"], metrics["num_replicas"]) == ("keras", replicas)
+    assert metrics["steps"] == 512 // 16
+    images, labels = tiny_datasets[2]
+    exported = tf.saved_model.load(str(workdir / "export"))
+    served = exported.serve(tf.constant(images)).numpy()
+    assert metrics["test_accuracy"] == pytest.approx(
+        float(np.mean(np.argmax(served, -1) == labels)), abs=1e-6)
+    native = keras.models.load_model(workdir / "model.keras")
+    np.testing.assert_allclose(native.predict(images, verbose=0), served, atol=1e-5)
+    assert (workdir / "checkpoints").is_dir() and (workdir / "tensorboard").is_dir()
+    assert not (workdir / "backup").exists()  # emptied when training ends
