@@ -43,8 +43,10 @@ def test_case_trains_evaluates_and_exports_with_keras3(name, tmp_path):
         model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=task.loss(),
                       metrics=task.metrics(), loss_weights=task.loss_weights(),
                       weighted_metrics=task.weighted_metrics())
+        built = len(model.weights)  # all of them before the first step: a restore needs them
         train = task.train_dataset(tf.distribute.InputContext(), 16).take(4)
         history = model.fit(train, epochs=2, verbose=0)
+        assert len(model.weights) == built, (built, [w.path for w in model.weights])
         result = model.evaluate(task.eval_dataset("test", 8), verbose=0, return_dict=True)
         assert np.isfinite(history.history["loss"]).all()
         assert task.metric in result, sorted(result)

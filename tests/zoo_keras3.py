@@ -8,6 +8,14 @@ two dialects (`MIXED_DIALECT`), which the project must refuse.
 
 No task here uses tf_keras except the mixed-dialect ones: the project tells a task's
 dialect from the objects it returns (model, loss, metrics, optimizer).
+
+Every case compiles, fits, evaluates, exports (`model.export`) and saves a `.keras` file
+with Keras 3.15 on one process (tests/test_zoo_keras3.py). Seen outside the project
+with Keras 3.15: under MirroredStrategy with two replicas, `fit` and `evaluate` of every
+model taking strings (all but LookupInDatasetFn of the string cases) fail before the
+first step, as Keras builds the model from the MEAN of the replicas' first batches
+(`_maybe_symbolic_build`: "Value for attr 'T' of string is not in the list of allowed
+values", op AddN); and see AugmentationModel's and OwnSteps' comments.
 """
 
 from __future__ import annotations
@@ -269,6 +277,12 @@ class OwnSteps(keras.Model):
         super().__init__()
         self.hidden, self.out = keras.layers.Dense(8, "relu"), keras.layers.Dense(2)
 
+    def build(self, input_shape):
+        # Without it Keras 3's `build` marks the model built with no weights (a warning):
+        # a checkpoint could not be restored into it before its first call.
+        self.hidden.build(input_shape)
+        self.out.build((*input_shape[:-1], self.hidden.units))
+
     def call(self, inputs, training=False):
         return self.out(self.hidden(inputs))
 
@@ -287,6 +301,10 @@ class OwnSteps(keras.Model):
         return self._track(self.compute_loss(y=y, y_pred=y_pred, training=False), y, y_pred)
 
     def _track(self, loss, y, y_pred):
+        # As the guide does. Under a tf.distribute strategy of n replicas Keras 3.15's
+        # `compute_loss` returns the loss divided by n (so that summed gradients average),
+        # and Keras' own steps multiply it back before their tracker; this one does not, so
+        # its "loss" reads 1/n of the true loss there (seen: 0.309 against 0.618, n=2).
         for metric in self.metrics:  # the loss tracker, then the compiled metrics
             if metric.name == "loss":
                 metric.update_state(loss)
