@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         built = build(config)
         placement, traffic = place(built, args.ps) if args.ps else (None, None)
         limit = config.runtime.memory_limit_gib
-        peaks = plan_memory.check(built, args.ps, args.workers, limit,
+        peaks = plan_memory.check(built, args.ps, args.workers, limit, place,
                                   placed=(placement, traffic))
         if args.ps == 0:
             print_allreduce(config, args.workers, args.link, rate_bits)

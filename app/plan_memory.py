@@ -30,6 +30,7 @@ The predictions beside the peaks measured with the recommender's tables at 1x,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 from app import config as cfg
 from app import memory
@@ -129,15 +130,15 @@ def evaluator_peak(built) -> int:
     return memory.BASELINE_BYTES + _bytes(variables) + largest
 
 
-def check(built, num_ps: int, num_workers: int, limit_gib: float,
+def check(built, num_ps: int, num_workers: int, limit_gib: float, place: Callable,
           placed: tuple | None = None) -> dict[str, int]:
     """Each task's predicted peak; ConfigError naming the first task over
     `limit_gib`, its peak, and how many ps tasks would fit (if any would).
-    `placed`: `plan.place(built, num_ps)` when the caller has it already."""
-    from app import plan
-
+    `place(built, num_ps)` spreads the variables over ps tasks (`app.plan.place`,
+    passed in: app.plan imports this module); `placed`: its result for `num_ps`
+    when the caller has it already."""
     if placed is None:
-        placed = plan.place(built, num_ps) if num_ps else (None, None)
+        placed = place(built, num_ps) if num_ps else (None, None)
     predicted = peaks(built, *placed)
     limit = limit_gib * memory.GIB
     over = [(task, nbytes) for task, nbytes in predicted.items() if nbytes > limit]
@@ -158,7 +159,7 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float,
             f"{'its batches' if task == 'chief' else 'its step'}"
             f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
     for more in range(num_ps + 1, MAX_PS + 1):
-        ps_peaks = peaks(built, *plan.place(built, more))
+        ps_peaks = peaks(built, *place(built, more))
         if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
             raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
                                   "the limit")

@@ -35,10 +35,12 @@ Evaluate = Callable[[tf.data.Dataset], dict[str, float]]
 
 
 def evaluator(model: keras.Model, coordinator: tf.distribute.coordinator.ClusterCoordinator,
-              num_workers: int) -> Evaluate:
+              num_workers: int, parallel: bool = True) -> Evaluate:
     """evaluate(dataset) -> {"loss": ..., metric: ...}: every batch of the finite,
-    batched `dataset` once, on the workers."""
-    return _ShardedTestStep(model, coordinator, SHARDS_PER_WORKER * num_workers)
+    batched `dataset` once, on the workers; with `parallel` False, on one worker at a
+    time (for metrics whose updates two workers must not make at once)."""
+    return _ShardedTestStep(model, coordinator,
+                            SHARDS_PER_WORKER * num_workers if parallel else 1)
 
 
 class _ShardedTestStep:

@@ -304,7 +304,8 @@ class AsyncPS(SingleHost):
         return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
 
     def evaluator(self, model, task):
-        return ps_evaluation.evaluator(model, self.coordinator, self._workers)
+        return ps_evaluation.evaluator(model, self.coordinator, self._workers,
+                                       parallel=self.dialect.ATOMIC_METRICS)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         if self.straggler:

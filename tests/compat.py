@@ -1,4 +1,5 @@
-"""The compatibility suite: every zoo task (tests/zoo.py) under every way of training.
+"""The compatibility suite: every zoo task (tests/zoo.py in Keras 2, tests/zoo_keras3.py
+in Keras 3) under every way of training.
 
 Each case trains through `trainer.run` as `python -m app.train` would, then is
 checked against Keras itself on one process: the run's last checkpoint restored
@@ -23,25 +24,36 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
 from app import config as cfg
+from app import dialects, trainer
 from app import task as tasks
-from app import trainer
 from app.workdir import CHECKPOINT_DIR
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import zoo  # noqa: E402
+import zoo_keras3  # noqa: E402
+
+# Every case of both zoos: Keras 2's by their names, Keras 3's as "keras:<name>".
+KERAS3 = "keras:"
+CASES: dict[str, type] = {**zoo.CASES, **{KERAS3 + k: v for k, v in zoo_keras3.CASES.items()},
+                          **{KERAS3 + k: v for k, v in zoo_keras3.MIXED_DIALECT.items()}}
 
 WAYS = ("one_process", "mirrored", "multi_worker_mirrored", "ps_async", "ps_sync")
 # The headline metric against Keras' evaluate of the same weights on one process.
 TOLERANCE = 1e-4
 
 
+def task_name(name: str) -> str:
+    """The `task.name` of case `name`."""
+    return (f"zoo_keras3:{name.removeprefix(KERAS3)}" if name.startswith(KERAS3)
+            else f"zoo:{name}")
+
+
 def config_for(name: str, way: str) -> cfg.Config:
-    overrides = [f"task.name=zoo:{name}", "train.epochs=1", "train.global_batch_size=16",
+    overrides = [f"task.name={task_name(name)}", "train.epochs=1", "train.global_batch_size=16",
                  "eval.batch_size=16", "checkpoint.keep=1",
-                 *(f"{k}={v}" for k, v in zoo.CASES[name].overrides.items())]
+                 *(f"{k}={v}" for k, v in CASES[name].overrides.items())]
     if way == "ps_sync":
         overrides.append("ps.mode=sync")
     return cfg.load(None, overrides)
@@ -65,21 +77,25 @@ def run_case(name: str, way: str, workdir: pathlib.Path, *,
 def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
             metrics: dict[str, Any]) -> dict[str, Any]:
     """The run's headline and its export against Keras on one process."""
-    previous = keras.mixed_precision.global_policy()
-    keras.mixed_precision.set_global_policy(config.train.precision)
+    restore_precision = dialects.set_precision(config.train.precision)
     try:
         model = task.build_model()
-        model.compile(loss=task.loss(), metrics=task.metrics(), loss_weights=task.loss_weights(),
-                      weighted_metrics=task.weighted_metrics())
+        # The run's optimizer, built: a Keras 3 model's checkpoint holds its optimizer,
+        # which the restore matches with the model's.
+        optimizer = trainer.optimizer(config, task, 1, dialects.of(model, task))
+        optimizer.build(model.trainable_variables)
+        model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
+                      loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics())
         latest = tf.train.latest_checkpoint(str(workdir / CHECKPOINT_DIR))
         tf.train.Checkpoint(model=model).restore(latest).expect_partial()
         test = task.eval_dataset("test", config.eval.batch_size)
         keras_result = model.evaluate(test, verbose=0, return_dict=True)
         raw = tf.nest.map_structure(lambda a: a[:8], task.arrays("test")[0])
-        served = tf.saved_model.load(str(workdir / "export"))(raw)
-        expected = task.serving_model(model)(raw)
+        exported = tf.saved_model.load(str(workdir / "export"))
+        served = getattr(exported, "serve", exported)(raw)  # Keras 3's endpoint, or Keras 2's
+        expected = task.serving_model(model)(raw, training=False)
     finally:
-        keras.mixed_precision.set_global_policy(previous)
+        restore_precision()
     export_error = max(float(np.max(np.abs(np.asarray(a, np.float32) - np.asarray(b, np.float32))))
                        for a, b in zip(tf.nest.flatten(served), tf.nest.flatten(expected),
                                        strict=True))
@@ -99,7 +115,7 @@ def main() -> int:
     cluster = clusters.read()
     strategy = strategies.create("auto", cluster, cfg.Config())
     results = {}
-    for name in zoo.CASES:
+    for name in CASES:
         results[name] = run_case(name, "multi_worker_mirrored", workdir / name,
                                  strategy=strategy, cluster=cluster, check=cluster.is_chief)
     print("RESULTS " + json.dumps(results))

@@ -20,7 +20,7 @@ from conftest import one_device_reduction_mirrored
 from app import compatdoc
 from tests.launching import run_workers
 
-CASES = list(zoo.CASES)
+CASES = list(compat.CASES)
 
 
 def check(name: str, way: str, result: dict) -> None:
@@ -33,7 +33,7 @@ def check(name: str, way: str, result: dict) -> None:
     if result["outcome"] == "refused":
         assert "\n" not in result["reason"] and "Traceback" not in result["reason"]
     if os.environ.get("COMPAT_RECORD"):
-        compatdoc.record(name, way, result, zoo.CASES[name].__doc__)
+        compatdoc.record(name, way, result, compat.CASES[name].__doc__)
         return
     want = compatdoc.load()["results"].get(name, {}).get(way)
     assert want is not None, (f"{name} under {way} is not in {compatdoc.RESULTS}: run "
@@ -57,7 +57,7 @@ def test_mirrored_on_two_logical_cpus(name, tmp_path):
 @pytest.mark.slow
 def test_multi_worker_mirrored_pair(tmp_path):
     # One pair of processes runs every case in turn: one cluster start-up for all.
-    outputs = run_workers(str(pathlib.Path(compat.__file__)), str(tmp_path), timeout=900)
+    outputs = run_workers(str(pathlib.Path(compat.__file__)), str(tmp_path), timeout=1500)
     results = json.loads(outputs[0].split("RESULTS ", 1)[1].splitlines()[0])
     assert list(results) == CASES
     for name, result in results.items():

@@ -3,6 +3,7 @@ its headline metric lands in metrics.json and its export serves raw features."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -59,3 +60,17 @@ def test_trains_on_two_multi_worker_mirrored_processes(tmp_path):
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     check(metrics, "MultiWorkerMirroredStrategy")
     assert metrics["num_workers"] == 2
+
+
+def test_the_readme_task_trains_in_keras3_as_written(tmp_path, monkeypatch):
+    """The task of the README's "Train your own model", copied as a user would."""
+    readme = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+    section = readme.split("## Train your own model", 1)[1]
+    (tmp_path / "my_task.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task, config = tasks.create(cfg.load(None, ["task.name=my_task:MyTask", "train.epochs=2",
+                                                "train.verbose=0"]))
+    metrics = trainer.run(config, tmp_path / "run", task=task)
+    assert (metrics["keras"], metrics["metric"]) == ("keras", "test_mae")
+    assert 0 < metrics["test_mae"] < 0.9, metrics["test_mae"]  # it learnt (spread about 1.5)
+    assert (tmp_path / "run" / "model.keras").exists()

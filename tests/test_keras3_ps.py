@@ -9,8 +9,8 @@ import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import runners, trainer
-from app.dialects import keras3_ps
+from app import ps_evaluation, runners, trainer
+from app.dialects import keras3, keras3_ps
 from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.cluster
@@ -73,3 +73,30 @@ def test_sync_parameter_servers_refuse_a_keras3_model_by_name(ps_strategy, ps_cl
         runner.build(tiny_task(config()), lambda dialect: None)
     assert str(e.value) == ("ps.mode = sync trains Keras 2 (tf_keras) models, and task Mnist "
                             "builds a Keras 3 model; use ps.mode = async or MultiWorkerMirrored")
+
+
+def test_an_auc_evaluated_on_the_workers_is_the_one_keras_computes(ps_strategy):
+    # AUC updates its counts as v.assign(v + x): evaluated by two workers at once, a
+    # batch could be lost (app/dialects/keras3.py, ATOMIC_METRICS).
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(6400, 4)).astype("float32")
+    y = (x[:, :1] + rng.normal(size=(6400, 1)) > 0).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(32)
+
+    def classifier():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        model.compile(loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
+        return model
+
+    with ps_strategy.scope():
+        model = classifier()
+        keras3.prebuild(model, lambda context: dataset)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
+    evaluate = ps_evaluation.evaluator(model, coordinator, 2, parallel=keras3.ATOMIC_METRICS)
+    local = classifier()
+    local.set_weights(model.get_weights())
+    expected = local.evaluate(dataset, verbose=0, return_dict=True)
+    got = evaluate(dataset)
+    assert got["auc"] == pytest.approx(expected["auc"], abs=1e-6)
+    assert got["loss"] == pytest.approx(expected["loss"], abs=1e-5)

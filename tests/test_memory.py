@@ -100,7 +100,7 @@ def small_tables():
 def test_plan_refuses_a_worker_that_no_number_of_ps_tasks_helps(small_tables):
     # Its step alone, on 700 MiB of TensorFlow's own, is over 0.6 GiB.
     with pytest.raises(cfg.ConfigError) as e:
-        plan_memory.check(small_tables, num_ps=4, num_workers=2, limit_gib=0.6)
+        plan_memory.check(small_tables, num_ps=4, num_workers=2, limit_gib=0.6, place=plan.place)
     assert str(e.value).startswith(
         "worker would peak at 815.5 MiB, over runtime.memory_limit_gib = 0.6 GiB (614.4 MiB), "
         "4 ps and 2 worker(s): no number of ps tasks fits, since the worker holds its step; "
@@ -109,11 +109,13 @@ def test_plan_refuses_a_worker_that_no_number_of_ps_tasks_helps(small_tables):
 
 def test_plan_names_how_many_ps_tasks_would_fit(small_tables):
     with pytest.raises(cfg.ConfigError) as e:
-        plan_memory.check(small_tables, num_ps=1, num_workers=2, limit_gib=1)
+        plan_memory.check(small_tables, num_ps=1, num_workers=2, limit_gib=1,
+                          place=plan.place)
     assert str(e.value).startswith("ps:0 would peak at 1.4 GiB, over runtime.memory_limit_gib "
                                    "= 1 GiB"), e.value
     assert str(e.value).endswith(": 3 ps tasks would fit (--ps 3), or raise the limit")
-    fits = plan_memory.check(small_tables, num_ps=3, num_workers=2, limit_gib=1)
+    fits = plan_memory.check(small_tables, num_ps=3, num_workers=2, limit_gib=1,
+                          place=plan.place)
     assert set(fits) == {"ps:0", "ps:1", "ps:2", "worker", "chief"}
     assert all(nbytes <= memory.GIB for nbytes in fits.values()), fits
     # The chief holds no table: its peak is the same whatever the tables' size.

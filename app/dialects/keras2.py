@@ -64,6 +64,10 @@ def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
         model.optimizer.build(model.trainable_variables)
 
 
+# Every metric update is one op on its variable (assign_add): workers evaluating shards
+# at once under parameter servers count each batch once.
+ATOMIC_METRICS = True
+
 # tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among its
 # callbacks.
 LOOP_BACKUP = False

@@ -16,6 +16,7 @@ from typing import Any
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow import trainer as _tf_trainer
 
 from app import preemption
 from app import strategy as strategies
@@ -24,6 +25,10 @@ from app.dialects import keras3_ps
 from app.workdir import save_dir
 
 log = logging.getLogger(__name__)
+
+# Keras 3.15's TensorFlow trainer: its step functions call this module's
+# reduce_per_replica (see `_reduce_per_replica`).
+_keras_reduce_per_replica = _tf_trainer.reduce_per_replica
 
 NAME = "keras"
 LABEL = "Keras 3 (keras, tf.keras)"
@@ -102,6 +107,13 @@ def _blank(spec: tf.TensorSpec) -> tf.Tensor:
     shape = [1 if d is None else d for d in spec.shape]
     return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
 
+
+# Keras 3.15's confusion-matrix metrics (AUC, Precision, Recall, ...), F-scores and IoU
+# update their variables as `v.assign(v + x)` (metrics_utils.py): two workers doing
+# so at once under parameter servers lose one's batch. Exact evaluation there runs on
+# one worker at a time (measured: the recommender's weights after its last epoch,
+# evaluated twice by two workers at once, gave test AUCs of 0.8013 and 0.8045).
+ATOMIC_METRICS = False
 
 # Under a ClusterCoordinator the loop is the project's own (keras3_ps.fit), and so is
 # its backup (keras3_ps.LoopBackup): the trainer adds no `backup` callback there.
@@ -191,9 +203,21 @@ def tensorboard(log_dir: pathlib.Path):
     return keras.callbacks.TensorBoard(str(log_dir), update_freq="epoch")
 
 
+def _reduce_per_replica(values, strategy, reduction):
+    # Keras 3.15 reduces a step's logs (the metrics' results, the same on every
+    # replica) with strategy.reduce("MEAN", v, axis=0) under MultiWorkerMirrored,
+    # which fails on a scalar ("Invalid reduction dimension 0 for input with 0
+    # dimensions"): every fit() of two workers stopped at its first step. The first
+    # replica's logs are what "auto" gives on one host.
+    if reduction == "auto" and _tf_trainer._collective_all_reduce_multi_worker(strategy):
+        reduction = "first"
+    return _keras_reduce_per_replica(values, strategy, reduction)
+
+
 def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
         steps_per_epoch: int, verbose) -> keras.callbacks.History:
     """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`."""
+    _tf_trainer.reduce_per_replica = _reduce_per_replica
     dataset = strategy.distribute_datasets_from_function(
         dataset_fn, options=strategies.input_options(strategy))
     return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
@@ -201,15 +225,28 @@ def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
 
 
 def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
-    return {k: float(v) for k, v in model.evaluate(dataset, verbose=0,
-                                                    return_dict=True).items()}
+    """Keras 3's evaluate, its results read from the metrics themselves.
+
+    Keras 3.15's evaluate returns the last step's logs as they are when a model's
+    own test_step names them otherwise than its metrics (keras.io's guide returns
+    `{m.name: m.result() for m in self.metrics}`, a nested dict): under
+    MultiWorkerMirrored those are one worker's (test accuracy 0.700 against 0.675
+    over both). `get_metrics_result`, read across replicas, counts every batch.
+    """
+    logs = model.evaluate(dataset, verbose=0, return_dict=True)
+    return {k: float(v) for k, v in {**_flat(logs), **model.get_metrics_result()}.items()}
+
+
+def _flat(logs: dict) -> dict:
+    return {k: v for key, value in logs.items()
+            for k, v in (_flat(value).items() if isinstance(value, dict) else [(key, value)])}
 
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:
     """`directory`/export, a SavedModel whose `serve` takes the model's raw input
-    (Keras 3's `model.export`), and `directory`/model.keras; each whole or absent."""
-    save_dir(directory / "export",
-             lambda path: model.export(str(path), format="tf_saved_model", verbose=False))
+    and predicts as `model(inputs, training=False)` does, and `directory`/model.keras;
+    each whole or absent."""
+    save_dir(directory / "export", lambda path: _export(model, path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".model-", suffix=".keras")
     os.close(fd)
     try:
@@ -218,6 +255,19 @@ def export(model: keras.Model, directory: pathlib.Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _export(model: keras.Model, path: pathlib.Path) -> None:
+    # What `model.export` writes, with the forward pass in inference mode: Keras 3.15
+    # exports `model.__call__` with `training` unset, and its random layers
+    # (RandomFlip, RandomRotation, ...) then augment each request.
+    from keras.src.export.export_utils import get_input_signature  # Keras 3.15
+
+    archive = keras.export.ExportArchive()
+    archive.track(model)
+    archive.add_endpoint("serve", tf.function(lambda *inputs: model(*inputs, training=False)),
+                         input_signature=get_input_signature(model))
+    archive.write_out(str(path), verbose=False)
 
 
 def check_runner(kind: str, config, task) -> None:

@@ -26,12 +26,11 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
-from app import optimizers
+from app import dialects, optimizers
 from app.config import ConfigError, field
 from app.task import Task
-from app.tasks import ctr_data, dlrm
+from app.tasks import ctr_data, dlrm, dlrm_keras3
 
 MAX_ROWS = 2**31 - 1  # the spread permutation multiplies ids in int64
 _TABLE_NAME = re.compile(r"(?:^|/)table_(\d+)/embeddings")
@@ -74,6 +73,8 @@ class Params:
     # Training batches sampled after training to count the rows each step reads
     # (the `ps_traffic` figures of parameter-server runs); 0 = do not count.
     traffic_batches: int = field(20, minimum=0)
+    # The Keras the model is written in: "tf_keras" (Keras 2) or "keras" (Keras 3).
+    keras: str = field("tf_keras", choices=dialects.NAMES)
 
     def __post_init__(self):
         for name in ("bottom_mlp", "top_mlp"):
@@ -111,10 +112,20 @@ class Recommender(Task):
         return ctr_data.Generator(ctr_data.table_rows(p.table_scale), p.zipf_exponent,
                                   p.ids == "spread", p.data_seed)
 
-    def build_model(self) -> keras.Model:
+    @property
+    def keras(self):
+        return dialects.module(self.params.keras)
+
+    @property
+    def dlrm(self):
+        """The model's module: `dlrm` (tf_keras) or `dlrm_keras3`."""
+        return dlrm_keras3 if self.params.keras == "keras" else dlrm
+
+    def build_model(self):
         p = self.params
-        return dlrm.model(self.generator.rows, p.embedding_dim, widths("bottom_mlp", p.bottom_mlp),
-                          widths("top_mlp", p.top_mlp), ctr_data.NUM_DENSE)
+        return self.dlrm.model(self.generator.rows, p.embedding_dim,
+                               widths("bottom_mlp", p.bottom_mlp), widths("top_mlp", p.top_mlp),
+                               ctr_data.NUM_DENSE)
 
     def train_dataset(self, context, global_batch_size):
         # Pipeline i of n generates examples i, i+n, ...: disjoint parts, nothing read.
@@ -150,21 +161,26 @@ class Recommender(Task):
         return self._split(split)[1]
 
     def loss(self):
-        return keras.losses.BinaryCrossentropy(from_logits=True)
+        return self.keras.losses.BinaryCrossentropy(from_logits=True)
 
     def metrics(self):
         # 1000 thresholds: the interpolated AUC is then within about 1e-4 of the exact one.
-        return [keras.metrics.AUC(num_thresholds=1000, from_logits=True, name="auc")]
+        return [self.keras.metrics.AUC(num_thresholds=1000, from_logits=True, name="auc")]
 
     def optimizer(self, learning_rate):
         p = self.params
-        kind = optimizers.Adagrad if p.table_optimizer == "adagrad" else keras.optimizers.SGD
+        if p.keras == "keras":  # Keras 3's own optimizers
+            tables = (self.keras.optimizers.Adagrad if p.table_optimizer == "adagrad"
+                      else self.keras.optimizers.SGD)
+            return dlrm_keras3.SplitOptimizer(tables=tables(p.table_learning_rate),
+                                              dense=self.keras.optimizers.Adam(learning_rate))
+        kind = optimizers.Adagrad if p.table_optimizer == "adagrad" else self.keras.optimizers.SGD
         return dlrm.SplitOptimizer(tables=kind(p.table_learning_rate),
                                    dense=optimizers.Adam(learning_rate))
 
     def serving_model(self, model):
         # The layers alone, without the optimizer pair: a server needs no training state.
-        return keras.Model(model.inputs, model.outputs, name="recommender")
+        return self.keras.Model(model.inputs, model.outputs, name="recommender")
 
     # -- what the teacher and the Zipf laws tell --------------------------------------
 
@@ -208,19 +224,20 @@ class Recommender(Task):
         return {"auc": ctr_data.auc(y, p), "loss": ctr_data.log_loss(y, p),
                 "click_rate": float(y.mean())}
 
-    def traffic(self, model: keras.Model) -> dict[str, Any] | None:
+    def traffic(self, model) -> dict[str, Any] | None:
         """Bytes each ps task sends and receives per training step, predicted and counted;
         None unless the tables live on ps tasks."""
         if not self.step_batch:
             return None
-        tables = [model.get_layer(f"table_{f}").embeddings for f in range(len(self.generator.rows))]
-        shards = [getattr(t, "variables", None) or [t] for t in tables]
+        shards = [_parts(model.get_layer(f"table_{f}").embeddings)
+                  for f in range(len(self.generator.rows))]
         if not all(_ps_task(part) is not None for parts in shards for part in parts):
             return None
         parts = {id(part) for group in shards for part in group}
-        num_ps = 1 + max(_ps_task(v) for v in model.trainable_variables)
+        trainable = [part for v in model.trainable_variables for part in _parts(v)]
+        num_ps = 1 + max(_ps_task(v) for v in trainable)
         dense = [0] * num_ps  # every other variable is read whole and its gradient sent whole
-        for var in model.trainable_variables:
+        for var in trainable:
             if id(var) not in parts:
                 dense[_ps_task(var)] += var.shape.num_elements() * var.dtype.size
         predicted, counted = [0.0] * num_ps, [0.0] * num_ps
@@ -247,6 +264,15 @@ class Recommender(Task):
         batches = self._batches(tf.data.Dataset.range(count), self.step_batch, True)
         ids = [features["cat"].numpy() for features, _ in batches]
         return np.stack(ids) if ids else np.zeros((0, self.step_batch, len(self.generator.rows)))
+
+
+def _parts(variable) -> list:
+    """The TensorFlow variables of a model's variable: its shards, or itself (a Keras 3
+    variable wraps a ShardedVariable or a variable; tf_keras lists the shards)."""
+    if not isinstance(variable, tf.Variable):
+        variable = getattr(variable, "value", variable)
+    parts = None if isinstance(variable, tf.Variable) else getattr(variable, "variables", None)
+    return list(parts) if parts else [variable]
 
 
 def _ps_task(variable) -> int | None:
