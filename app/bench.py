@@ -143,6 +143,14 @@ ROWS: dict[str, Row] = {
                           _ps(2, 0, "task.table_scale=0.4")),
     "rec_ps_2w2p_ranked": Row("rec_ps_2w2p with the hot ids at the front of each table",
                               _ps(2, 2, "task.ids=ranked")),
+    # Keras 3 beside Keras 2: each row the same strategy as its base with the model in
+    # Keras 3 (the built-in tasks' `task.keras`), its ratio to that Keras 2 row.
+    "keras3": Row("the baseline in Keras 3", (*_BASELINE, *_sets("task.keras=keras"))),
+    "keras3_mirrored_2dev": Row("mirrored_2dev in Keras 3", (
+        *_TRAIN, "--strategy", "mirrored", *_sets("task.keras=keras")), base="mirrored_2dev"),
+    "keras3_mwms_2w": Row("mwms_2w in Keras 3", _ps(2, 0, "task.keras=keras"), base="mwms_2w"),
+    "keras3_ps_2w2p": Row("ps_2w2p in Keras 3 (the project's loop on the coordinator)",
+                          _ps(2, 2, "task.keras=keras"), base="ps_2w2p"),
 }
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
@@ -210,7 +218,7 @@ def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
 def row_args(row: str, base_args: list[str], gpus: int, link: str | None = None) -> list[str]:
     """The command line of `row`: its module, the shared arguments, then its own settings."""
     module, rest = ROWS[row].args[:2], list(ROWS[row].args[2:])
-    if row == "mirrored_2dev":
+    if row in ("mirrored_2dev", "keras3_mirrored_2dev"):
         rest += _devices(gpus)
     if link and multi_task(row):
         rest += ["--link", link]

@@ -40,14 +40,21 @@ class Callback:
     def set_params(self, params: dict) -> None:
         self.params = params
 
+    # tf_keras refuses, under ParameterServerStrategy, a callback with batch hooks
+    # unless it takes its logs as tensors (`_supports_tf_logs`): only hooks a class
+    # defines count.
     def _implements_train_batch_hooks(self) -> bool:
-        return True
+        return self._defines("on_batch_begin", "on_batch_end", "on_train_batch_begin",
+                             "on_train_batch_end")
 
     def _implements_test_batch_hooks(self) -> bool:
-        return False
+        return self._defines("on_test_batch_begin", "on_test_batch_end")
 
     def _implements_predict_batch_hooks(self) -> bool:
-        return False
+        return self._defines("on_predict_batch_begin", "on_predict_batch_end")
+
+    def _defines(self, *hooks: str) -> bool:
+        return any(hasattr(type(self), hook) for hook in hooks)
 
     def __getattr__(self, name: str):
         # on_train_begin, on_test_batch_end, ...: every hook a class does not define.

@@ -3,8 +3,6 @@
 import os
 import signal
 
-import tf_keras as keras
-
 from app import callbacks
 
 
@@ -12,7 +10,7 @@ class Interrupted(RuntimeError):
     """A crash the test made (as SIGKILL would, but leaving the process alive)."""
 
 
-class Probe(keras.callbacks.Callback):
+class Probe(callbacks.Callback):
     """Records the (epoch, batch) of every batch end; at `stop_at` it sends this process
     SIGTERM ("sigterm") or raises `Interrupted` ("crash"). `on_begin(model)` runs when
     training begins (after any restore), `on_batch(model, epoch, batch)` at each batch end."""
@@ -20,7 +18,7 @@ class Probe(keras.callbacks.Callback):
     def __init__(self, stop_at: tuple[int, int] | None = None, how: str = "crash",
                  on_begin=None, on_batch=None):
         super().__init__()
-        self._supports_tf_logs = True  # batch hooks under ParameterServerStrategy
+        self._supports_tf_logs = True  # batch hooks under tf_keras' ParameterServerStrategy
         self.stop_at, self.how, self.on_begin, self.on_batch = stop_at, how, on_begin, on_batch
         self.seen: list[tuple[int, int]] = []
         self._epoch = 0

@@ -87,8 +87,12 @@ def test_placement_lists_a_lookup_table_among_the_weights_as_not_a_variable(ps_s
 def test_placement_is_balanced_and_predicted_by_the_plan(trained):
     metrics, _ = trained
     assert metrics["ps_balance"] <= 1.05
-    predicted, _ = plan.predict(config(), num_ps=2)
-    assert predicted.ps_bytes == metrics["ps_bytes"]
+    placement, _ = plan.predict(config(), num_ps=2)
+    predicted = placement.ps_bytes
+    # The plan places from ps:0, as a chief's first variable is; this process's strategy
+    # has placed the variables of earlier tests round robin, so the run may start on ps:1.
+    rotations = [predicted[i:] + predicted[:i] for i in range(len(predicted))]
+    assert metrics["ps_bytes"] in rotations
 
 
 def test_each_worker_reads_its_own_shard_of_the_data(ps_strategy):

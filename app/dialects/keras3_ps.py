@@ -27,6 +27,7 @@ These read private Keras 3.15 members (`Variable._value` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
 import shutil
@@ -251,23 +252,36 @@ def fit(steps: Steps, coordinator, dataset_fn, *, epochs: int, steps_per_epoch: 
         steps=steps_per_epoch, verbose=verbose)
     first_epoch, first_step = backup.restore()
     model.stop_training = False
+    try:
+        _epochs(model, lambda: coordinator.schedule(step, args=(iterator,)), coordinator.join,
+                callback_list, backup, range(first_epoch, epochs), first_step, steps_per_epoch)
+    except BaseException:
+        # Nothing scheduled may run on after this run, into the next one's restore.
+        with contextlib.suppress(Exception):
+            coordinator.join()
+        raise
+    callback_list.on_train_end()
+    backup.delete()
+    return history
+
+
+def _epochs(model: keras.Model, schedule, join, callback_list, backup: LoopBackup,
+            epochs: range, first_step: int, steps_per_epoch: int) -> None:
+    """`epochs`, the first from `first_step`: each step `schedule`d, each epoch `join`ed."""
     callback_list.on_train_begin()
-    for epoch in range(first_epoch, epochs):
+    for epoch in epochs:
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        for index in range(first_step if epoch == first_epoch else 0, steps_per_epoch):
+        for index in range(first_step if epoch == epochs.start else 0, steps_per_epoch):
             callback_list.on_train_batch_begin(index)
-            coordinator.schedule(step, args=(iterator,))
+            schedule()
             callback_list.on_train_batch_end(index, None)
             if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
                 backup.step_done(epoch, index + 1)
-        coordinator.join()
+        join()
         logs = {name: float(np.asarray(value))
                 for name, value in model.get_metrics_result().items()}
         callback_list.on_epoch_end(epoch, logs)
         backup.epoch_done(epoch)
         if model.stop_training:
             break
-    callback_list.on_train_end()
-    backup.delete()
-    return history
