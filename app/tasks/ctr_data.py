@@ -82,7 +82,14 @@ def hash64(keys: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
 def _uniform(bits: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
     """A uniform in (0, 1) from the low `width` bits of a uint64 tensor."""
     low = tf.bitwise.bitwise_and(bits, tf.constant((1 << width) - 1, tf.uint64))
-    return (tf.cast(low, dtype) + 0.5) / float(1 << width)
+    u = (tf.cast(low, dtype) + 0.5) / float(1 << width)
+    # float32 holds 24 significant bits (float64 53), so at width 24 (53) the top
+    # draw, 2^w - 0.5, rounds up to 2^w and u to exactly 1: erfinv(2u - 1) was inf,
+    # an infinite dense count, in one example in 2^24 / 13 (the first is example
+    # 4,576,485), whose gradient put NaN into the model's weights for the rest of
+    # training. The largest value below 1 keeps the interval open and every other
+    # draw as it was.
+    return tf.minimum(u, np.nextafter(dtype.as_numpy_dtype(1), dtype.as_numpy_dtype(0)))
 
 
 @dataclasses.dataclass(frozen=True)
