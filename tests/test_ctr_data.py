@@ -42,3 +42,18 @@ def test_a_training_step_on_a_batch_holding_such_an_example_keeps_the_weights_fi
     model.fit(features, clicks, batch_size=64, epochs=1, verbose=0)
     # With the infinite count, the bottom MLP's weights turned NaN in this one step.
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def test_ids_are_the_examples_ids_and_unknown_ids_count_as_their_mean():
+    generator = ctr_data.Generator(ctr_data.table_rows(0.0002), 1.05)
+    index = tf.range(100, 164, dtype=tf.int64)
+    features, _, probability = generator.examples(index)
+    np.testing.assert_array_equal(generator.ids(index), features["cat"])
+    dense, ids = features["dense"], features["cat"]
+    everything = tf.ones(ids.shape, tf.bool)
+    np.testing.assert_allclose(tf.sigmoid(generator.logit(dense, ids, everything)), probability,
+                               rtol=1e-6)
+    # Knowing no id leaves the bias and the dense term: the same for any ids.
+    nothing = tf.zeros(ids.shape, tf.bool)
+    np.testing.assert_allclose(generator.logit(dense, ids, nothing),
+                               generator.logit(dense, ids[::-1], nothing), rtol=1e-6)
