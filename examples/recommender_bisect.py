@@ -21,7 +21,9 @@ against the test set after [0, examples), and reports the non-finite examples
 each window holds, the test AUC and the export's non-finite weights.
 
 `--old-uniform` puts back the generator's draws as they were before the fix
-(no clamp below 1), so the failure can be reproduced from this file.
+(no clamp below 1), so the failure can be reproduced from this file. The
+script turns on oneDNN as `python -m app.train` does (it decides how far the
+NaN spreads); `TF_ENABLE_ONEDNN_OPTS=0` before the command turns it off.
 """
 
 from __future__ import annotations
