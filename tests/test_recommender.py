@@ -57,6 +57,19 @@ def test_examples_are_a_function_of_their_index_and_pipelines_take_disjoint_ones
                                   first["cat"])
 
 
+def test_train_offset_moves_the_training_window_and_not_the_test_set():
+    task = task_of("task.train_examples=64", "task.test_examples=32", "task.train_offset=5000")
+    generate = tf.function(task.generator.examples)
+    features, _ = next(iter(task.train_dataset(context(), 16)))
+    np.testing.assert_array_equal(features["cat"],
+                                  generate(tf.range(5000, 5016, dtype=tf.int64))[0]["cat"])
+    # The test examples stay those after [0, train_examples), as with no offset.
+    test, _ = next(iter(task.eval_dataset("test", 32)))
+    np.testing.assert_array_equal(test["cat"], generate(tf.range(64, 96, dtype=tf.int64))[0]["cat"])
+    assert task._split("test") == task_of("task.train_examples=64",
+                                          "task.test_examples=32")._split("test")
+
+
 def test_zipf_draws_follow_the_law_they_state():
     law = ctr_data.ZipfLaw(1000, 1.05)
     p = law.probabilities(0, 1000)
@@ -251,6 +264,10 @@ def test_plan_predicts_the_distinct_rows_a_batch_reads():
                               "task.table_scale to 212 or less"),
     ("task.ids=hashed", "task.ids = 'hashed' is not one of spread, ranked"),
     ("task.embedding_dim=0", "task.embedding_dim = 0 must be > 0"),
+    ("task.train_offset=10", "task.train_offset = 10 trains on examples [10, 1000010), which "
+                             "overlap the validation and test examples [1000000, 1100000); use "
+                             "0 or at least 1100000"),
+    ("task.train_offset=-1", "task.train_offset = -1 must be >= 0"),
 ])
 def test_bad_parameters_name_the_field_and_the_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:

@@ -82,7 +82,14 @@ def hash64(keys: tf.Tensor, values: tf.Tensor) -> tf.Tensor:
 def _uniform(bits: tf.Tensor, width: int, dtype: tf.DType) -> tf.Tensor:
     """A uniform in (0, 1) from the low `width` bits of a uint64 tensor."""
     low = tf.bitwise.bitwise_and(bits, tf.constant((1 << width) - 1, tf.uint64))
-    return (tf.cast(low, dtype) + 0.5) / float(1 << width)
+    u = (tf.cast(low, dtype) + 0.5) / float(1 << width)
+    # float32 holds 24 significant bits (float64 53), so at width 24 (53) the top
+    # draw, 2^w - 0.5, rounds up to 2^w and u to exactly 1: erfinv(2u - 1) was inf,
+    # an infinite dense count, in one example in 2^24 / 13 (the first is example
+    # 4,576,485), whose gradient put NaN into the model's weights for the rest of
+    # training. The largest value below 1 keeps the interval open and every other
+    # draw as it was.
+    return tf.minimum(u, np.nextafter(dtype.as_numpy_dtype(1), dtype.as_numpy_dtype(0)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,8 +184,7 @@ class Generator:
         """The examples numbered `index` (int64, [n]): features, clicks [n, 1] and
         the teacher's click probabilities [n]."""
         i = tf.cast(index, tf.uint64)[:, None]
-        u = _uniform(hash64(self._keys(1, len(self.rows)), i), 53, tf.float64)
-        ids = self.id_map.ids(sample_ranks(self.laws, u))
+        ids = self.ids(index)
         normal = tf.math.erfinv(2 * _uniform(hash64(self._keys(2, NUM_DENSE), i), 24,
                                              tf.float32) - 1) * math.sqrt(2)
         dense = tf.floor(tf.exp(normal + 1.0))  # counts, log-normal as Criteo's
@@ -187,13 +193,24 @@ class Generator:
         click = tf.cast(draw < probability[:, None], tf.float32)
         return {"dense": dense, "cat": ids}, click, probability
 
-    def logit(self, dense: tf.Tensor, ids: tf.Tensor) -> tf.Tensor:
-        """The teacher's logit of features [n, 13] and ids [n, 26]."""
+    def ids(self, index: tf.Tensor) -> tf.Tensor:
+        """The categorical ids [n, 26] of the examples numbered `index` (int64, [n])."""
+        i = tf.cast(index, tf.uint64)[:, None]
+        u = _uniform(hash64(self._keys(1, len(self.rows)), i), 53, tf.float64)
+        return self.id_map.ids(sample_ranks(self.laws, u))
+
+    def logit(self, dense: tf.Tensor, ids: tf.Tensor, known: tf.Tensor | None = None
+              ) -> tf.Tensor:
+        """The teacher's logit of features [n, 13] and ids [n, 26]. Where the bool mask
+        `known` [n, 26] is False, the id's weight and factors count as their mean, 0:
+        the teacher as a model that never learnt those ids can know it."""
         bits = hash64(self._keys(4, len(self.rows)), tf.cast(ids, tf.uint64))
         # Four 16-bit fields of each hash: uniforms of variance 1 (range +-sqrt 3).
         fields = tf.stack([_uniform(tf.bitwise.right_shift(bits, tf.constant(16 * j, tf.uint64)),
                                     16, tf.float32) for j in range(1 + TEACHER_FACTORS)], -1)
         values = (2 * fields - 1) * math.sqrt(3)  # [n, features, 1 + factors]
+        if known is not None:
+            values *= tf.cast(known, values.dtype)[..., None]
         features = len(self.rows)
         weights = values[..., 0] * math.sqrt(WEIGHT_VARIANCE / features)
         pairs = features * (features - 1) / 2

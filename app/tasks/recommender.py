@@ -15,6 +15,9 @@ laws (the expected number of distinct ids per table in a batch, as
 `python -m app.plan` predicts it) and counted on sampled training batches.
 
     python -m app.train --config configs/recommender.toml
+    python -m app.train --config configs/recommender.toml --set task.train_offset=5000000
+
+(the second trains on examples [5M, 6M) and tests on the same examples as the first).
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class Params:
     # Generated examples in one epoch of training (each split is drawn from its
     # own range of the generator's example indices).
     train_examples: int = field(1_000_000, above=0)
+    # Index of the first training example: training reads examples
+    # [train_offset, train_offset + train_examples). The validation and test
+    # examples stay where train_offset = 0 puts them, right after
+    # [0, train_examples), so windows of one size are compared on one test set;
+    # a window must start at 0 or after the test examples.
+    train_offset: int = field(0, minimum=0)
     # Examples held out for validation after each epoch (0 = none).
     validation_examples: int = field(0, minimum=0)
     # Examples of the test split (its Bayes-optimal AUC and log-loss are reported).
@@ -79,6 +88,13 @@ class Params:
     def __post_init__(self):
         for name in ("bottom_mlp", "top_mlp"):
             widths(name, getattr(self, name))
+        held_out = self.train_examples + self.validation_examples + self.test_examples
+        if 0 < self.train_offset < held_out:
+            raise ConfigError(
+                f"task.train_offset = {self.train_offset} trains on examples "
+                f"[{self.train_offset}, {self.train_offset + self.train_examples}), which "
+                f"overlap the validation and test examples [{self.train_examples}, {held_out}); "
+                f"use 0 or at least {held_out}")
         largest = max(ctr_data.table_rows(self.table_scale))
         if largest > MAX_ROWS:
             raise ConfigError(
@@ -131,7 +147,9 @@ class Recommender(Task):
         # Pipeline i of n generates examples i, i+n, ...: disjoint parts, nothing read.
         # The examples are independent draws, so their order needs no shuffle.
         self.step_batch = context.get_per_replica_batch_size(global_batch_size)
-        indices = self.shard(tf.data.Dataset.range(self.params.train_examples), context)
+        p = self.params
+        indices = self.shard(tf.data.Dataset.range(p.train_offset,
+                                                   p.train_offset + p.train_examples), context)
         return self._batches(indices.repeat(), self.step_batch, drop_remainder=True)
 
     def eval_dataset(self, split, batch_size):
@@ -141,7 +159,8 @@ class Recommender(Task):
         return self._batches(tf.data.Dataset.range(start, start + count), batch_size)
 
     def _split(self, split: str) -> tuple[int, int]:
-        """First example index and size of "validation" or "test": after the training set."""
+        """First example index and size of "validation" or "test": after examples
+        [0, train_examples), wherever task.train_offset puts the training window."""
         p = self.params
         if split == "validation":
             return p.train_examples, p.validation_examples
@@ -260,8 +279,10 @@ class Recommender(Task):
 
     def _sampled_ids(self) -> np.ndarray:
         """The ids of the first `traffic_batches` training batches: [batches, batch, 26]."""
-        count = self.params.traffic_batches * self.step_batch
-        batches = self._batches(tf.data.Dataset.range(count), self.step_batch, True)
+        p = self.params
+        count = p.traffic_batches * self.step_batch
+        batches = self._batches(tf.data.Dataset.range(p.train_offset, p.train_offset + count),
+                                self.step_batch, True)
         ids = [features["cat"].numpy() for features, _ in batches]
         return np.stack(ids) if ids else np.zeros((0, self.step_batch, len(self.generator.rows)))
 
