@@ -126,3 +126,11 @@ def test_a_keras3_run_stopped_by_sigterm_resumes_from_its_backup(tmp_path, monke
     assert probe.seen[0] == (1, 0)
     assert [row["epoch"] for row in metrics["history"]] == [1, 2]
     assert metrics["steps"] == 2 * 512 // 16 + 5  # the 5 steps before the signal, twice
+
+
+def test_a_tasks_own_optimizer_of_the_other_keras_is_refused():
+    with pytest.raises(cfg.ConfigError) as e:
+        dialects.check_optimizer(tf_keras.optimizers.Adam(), keras3, _Losses("mse"))
+    assert str(e.value) == (
+        f"task _Losses mixes two Kerases: its model is {keras3.LABEL} and its optimizer (Adam) "
+        f"is {keras2.LABEL}; build every object of a task with one of them (import keras here)")

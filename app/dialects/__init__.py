@@ -46,13 +46,18 @@ def of(model: Any, task: Any):
             f"{type(model).__name__}, not a Keras model; return a keras.Model "
             f"({keras3.LABEL}) or a tf_keras.Model ({keras2.LABEL})")
     for what, obj in _task_objects(task):
-        other = _dialect_of(obj)
-        if other is not None and other is not dialect:
-            raise ConfigError(
-                f"task {name} mixes two Kerases: its model is {dialect.LABEL} and its "
-                f"{what} ({type(obj).__name__}) is {other.LABEL}; build every object of a "
-                f"task with one of them ({dialect.IMPORT} here)")
+        _same_keras(dialect, task, what, obj)
     return dialect
+
+
+def _same_keras(dialect, task: Any, what: str, obj: Any) -> None:
+    """A ConfigError naming `obj` (the task's `what`) if it is of the other Keras."""
+    other = _dialect_of(obj)
+    if other is not None and other is not dialect:
+        raise ConfigError(
+            f"task {type(task).__name__} mixes two Kerases: its model is {dialect.LABEL} and "
+            f"its {what} ({type(obj).__name__}) is {other.LABEL}; build every object of a "
+            f"task with one of them ({dialect.IMPORT} here)")
 
 
 def _task_objects(task: Any) -> Iterator[tuple[str, Any]]:
@@ -72,12 +77,7 @@ def _flatten(value: Any) -> list:
 
 def check_optimizer(optimizer: Any, dialect, task: Any) -> None:
     """A task's own optimizer must be of its model's Keras."""
-    other = _dialect_of(optimizer)
-    if other is not None and other is not dialect:
-        raise ConfigError(
-            f"task {type(task).__name__} mixes two Kerases: its model is {dialect.LABEL} and "
-            f"its optimizer ({type(optimizer).__name__}) is {other.LABEL}; build every object "
-            f"of a task with one of them ({dialect.IMPORT} here)")
+    _same_keras(dialect, task, "optimizer", optimizer)
 
 
 def module(name: str) -> Any:
