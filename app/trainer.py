@@ -128,7 +128,7 @@ def _common(config: Config, task: Task, runner: runners.SingleHost,
         "num_ps": runner.num_ps,
         "global_batch_size": config.train.global_batch_size,
         "epochs_completed": history.epoch[-1] + 1 if history.epoch else config.train.epochs,
-        "steps": runner.dialect.steps(model),
+        "steps": int(model.optimizer.iterations.numpy()),  # the same in both Kerases
         **{f"test_{name}": float(value) for name, value in test.items()},
         **({"num_test_examples": examples} if examples is not None else {}),
         "train_examples_per_sec": examples_per_sec,

@@ -16,7 +16,7 @@ Each dialect module has:
 - `variables(model, optimizer)`, `tf_variable(v)`: the TensorFlow variables of both;
 - `backup(backup_dir, every_steps)`, `tensorboard(log_dir)`: its callbacks;
 - `fit(model, dataset_fn, strategy, callbacks, epochs, steps_per_epoch, verbose)`;
-- `evaluate(model, dataset)`, `export(model, directory)`, `steps(model)`;
+- `evaluate(model, dataset)`, `export(model, directory)`;
 - `check_runner(kind, config, task)`: refuse what this Keras cannot do under a strategy kind.
 """
 

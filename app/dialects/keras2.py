@@ -94,10 +94,6 @@ def variables(model: keras.Model, optimizer) -> list:
     return model.variables + optimizer.variables()
 
 
-def steps(model: keras.Model) -> int:
-    return int(model.optimizer.iterations.numpy())
-
-
 def backup(backup_dir: pathlib.Path, every_steps: int):
     return callbacks.Backup(str(backup_dir), every_steps)
 

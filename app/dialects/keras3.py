@@ -149,10 +149,6 @@ def variables(model: keras.Model, optimizer) -> list:
     return [tf_variable(v) for v in [*model.variables, *optimizer.variables]]
 
 
-def steps(model: keras.Model) -> int:
-    return int(model.optimizer.iterations.numpy())
-
-
 class Backup(keras.callbacks.BackupAndRestore):
     """Keras 3's BackupAndRestore in <workdir>/backup: saved at each epoch's end, every
     `every_steps` steps, and at the first step after SIGTERM, after which it raises
