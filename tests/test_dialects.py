@@ -1,6 +1,5 @@
 """The Keras of a task (app/dialects): found from its objects, both trained the same way."""
 
-import json
 
 import keras
 import numpy as np
@@ -104,28 +103,6 @@ def test_a_keras3_task_trains_evaluates_exactly_and_exports(keras3_runs, tiny_da
     np.testing.assert_allclose(native.predict(images, verbose=0), served, atol=1e-5)
     assert (workdir / "checkpoints").is_dir() and (workdir / "tensorboard").is_dir()
     assert not (workdir / "backup").exists()  # emptied when training ends
-
-
-def test_a_keras3_run_stopped_by_sigterm_resumes_from_its_backup(tmp_path, monkeypatch):
-    # Keras 3's fit cannot start an epoch part-way: the rerun goes on from the start of
-    # the epoch SIGTERM stopped, with the weights and optimizer state saved then.
-    import signal
-
-    from app import preemption
-    from tests.probing import Probe, attach
-
-    settings = config("train.epochs=2")
-    attach(monkeypatch, Probe(stop_at=(1, 3), how="sigterm"))
-    with pytest.raises(preemption.Preempted):
-        trainer.run(settings, tmp_path, task=tiny_task(settings))
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    saved = json.loads((tmp_path / "backup" / "training_metadata.json").read_text())
-    assert saved == {"epoch": 1, "batch": 4}  # saved at the step after the signal
-    probe = attach(monkeypatch, Probe())
-    metrics = trainer.run(settings, tmp_path, task=tiny_task(settings))
-    assert probe.seen[0] == (1, 0)
-    assert [row["epoch"] for row in metrics["history"]] == [1, 2]
-    assert metrics["steps"] == 2 * 512 // 16 + 5  # the 5 steps before the signal, twice
 
 
 def test_a_tasks_own_optimizer_of_the_other_keras_is_refused():

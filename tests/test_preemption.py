@@ -18,6 +18,11 @@ from tests.probing import Interrupted, Probe, attach
 STEPS = 512 // 32  # per epoch: conftest's tiny_datasets at the default batch
 
 
+# Each Keras's own fit(), the same assertions: Keras 2's tiny CNN, Keras 3's MLP (the
+# CNN's kernel makes a Keras 3 run several times slower here).
+KERASES = {"keras2": [], "keras3": ["task.keras=keras", "task.model=mlp"]}
+
+
 def _config(*overrides: str) -> cfg.Config:
     return cfg.load(None, ["train.epochs=3", "train.verbose=0", "eval.batch_size=64",
                            *overrides])
@@ -27,9 +32,10 @@ def _run(config, path, datasets):
     return trainer.run(config, path, strategy=strategy.create("default"), task=tiny_task(config))
 
 
+@pytest.mark.parametrize("keras", KERASES)
 def test_sigterm_saves_at_the_next_step_and_the_rerun_goes_on_from_there(
-        tmp_path, tiny_datasets, monkeypatch):
-    config = _config()  # checkpoint.every_steps = 0: only SIGTERM saves mid-epoch
+        keras, tmp_path, tiny_datasets, monkeypatch):
+    config = _config(*KERASES[keras])  # checkpoint.every_steps = 0: only SIGTERM saves mid-epoch
     attach(monkeypatch, Probe(stop_at=(1, 4), how="sigterm"))
     with pytest.raises(preemption.Preempted) as stopped:
         _run(config, tmp_path, tiny_datasets)
@@ -51,10 +57,11 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_goes_on_from_there(
     assert not workdir.has_backup(tmp_path)  # emptied once training ended
 
 
+@pytest.mark.parametrize("keras", KERASES)
 @pytest.mark.parametrize("every_steps, resumed_at", [(4, (1, 8)), (0, (1, 0))])
-def test_a_crashed_run_loses_at_most_every_steps(every_steps, resumed_at, tmp_path,
+def test_a_crashed_run_loses_at_most_every_steps(keras, every_steps, resumed_at, tmp_path,
                                                  tiny_datasets, monkeypatch):
-    config = _config(f"checkpoint.every_steps={every_steps}")
+    config = _config(f"checkpoint.every_steps={every_steps}", *KERASES[keras])
     attach(monkeypatch, Probe(stop_at=(1, 10)))
     with pytest.raises(Interrupted):
         _run(config, tmp_path, tiny_datasets)

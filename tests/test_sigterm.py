@@ -48,19 +48,21 @@ def test_sigterm_to_the_chief_saves_exits_204_and_the_rerun_resumes(tmp_path):
     assert [row["epoch"] for row in metrics["history"]] == [1, 2]
 
 
-def two_workers(tmp_path):
-    """Two MultiWorkerMirrored workers on the MLP, 3 epochs of 31 steps, --max-restarts 1."""
+def two_workers(tmp_path, keras="tf_keras"):
+    """Two MultiWorkerMirrored workers on the MLP in `keras` (task.keras), 3 epochs of
+    31 steps, --max-restarts 1."""
     return launching.launch(
-        "--workers", "2", "--ps", "0", "--max-restarts", "1",
+        "--workers", "2", "--ps", "0", "--max-restarts", "1", "--set", f"task.keras={keras}",
         "--set", "task.train_examples=1500", "--set", "task.validation_examples=500",
         "--set", "task.test_examples=101", "--set", "train.epochs=3",
         "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
         "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
 
 
-def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_path):
+@pytest.mark.parametrize("keras", ["tf_keras", "keras"])
+def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(keras, tmp_path):
     steps = 1000 // 32  # 1500 examples less 500 for validation
-    launcher = two_workers(tmp_path)
+    launcher = two_workers(tmp_path, keras)
     signalled_at = steps + 5
     output, sent = launching.signal_at_step(launcher, "worker:0", signalled_at, "worker:1",
                                             signal.SIGTERM)
@@ -70,10 +72,11 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(tmp_
     assert f"[launch] worker:0 {PREEMPTED}" in before, before[-4000:]
     assert f"[launch] worker:1 {PREEMPTED}" in before
     resumed_from = launching.steps_reported(after, "worker:0")[0] - 1
+    assert launching.steps_reported(after, "worker:1")[0] - 1 == resumed_from
     # The workers agree on the step through the coordination service, whose watcher
-    # polls: on a loaded machine the 26 MLP steps left in epoch 2 can pass first, and
-    # the backup is then epoch 2's own (seen once in a full suite: resumed from 63).
-    assert signalled_at <= resumed_from <= 2 * steps + 1, resumed_from
+    # polls the signal once a second (TF 2.21 failure_handling): the MLP runs tens of
+    # steps in that time, so the step agreed on may be a later epoch's (seen: 63, 64).
+    assert signalled_at <= resumed_from < 3 * steps, resumed_from
     assert "[worker:0] Epoch 1/3" not in after
     digests = dict(re.findall(r"\[(worker:\d)\] INFO weights sha256 (\w+)", after))
     assert len(digests) == 2 and len(set(digests.values())) == 1, digests  # identical weights

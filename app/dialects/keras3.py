@@ -8,6 +8,8 @@ loop on the ClusterCoordinator (`app.dialects.keras3_ps`).
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import pathlib
@@ -154,41 +156,90 @@ class Backup(keras.callbacks.BackupAndRestore):
     `every_steps` steps, and at the first step after SIGTERM, after which it raises
     `preemption.Preempted`.
 
-    Keras 3 resumes at the start of the epoch it saved in, from the weights and
-    optimizer state it saved (its fit() cannot start an epoch part-way): a run
-    stopped mid-epoch trains that epoch's first steps again. Only the task that
-    checkpoints writes (MultiWorkerMirrored: worker 0); every worker reads it.
+    A resumed fit() goes on from the step after the saved one. Keras 3's own
+    restores the epoch only (its fit() has no initial step, and the backup's
+    "batch" is 0 both at an epoch's start and after its first step): this class
+    records the steps done in the epoch as well, and `fit` starts that epoch
+    there. An epoch's last step is saved at the epoch's end, after its
+    evaluations, as under Keras 2. Only the task that checkpoints writes
+    (MultiWorkerMirrored: worker 0); every worker reads.
     """
 
     def __init__(self, backup_dir: str, every_steps: int = 0):
         super().__init__(backup_dir, save_freq=every_steps or "epoch", double_checkpoint=True)
         self.sigterm = preemption.Sigterm()
+        self.steps_done = 0  # in the epoch of the backup restored
+        self._steps_now = 0  # in the epoch running
+        self._handler = None
 
     def on_train_begin(self, logs=None):
-        super().on_train_begin(logs)
+        super().on_train_begin(logs)  # restores the backup, if there is one
         self.sigterm.install()
+        # MultiWorkerMirrored: the workers agree on the step to save at, as under
+        # Keras 2. TensorFlow's handler restores a step counter of its own from a
+        # checkpoint manager, and saves only through `save`: an empty checkpoint,
+        # never written, gives every worker the same counter (0) in each run.
+        self._handler = preemption.mwms_handler(
+            self.model.distribute_strategy,
+            tf.train.CheckpointManager(tf.train.Checkpoint(), self.backup_dir, max_to_keep=1),
+            save=self._save_model, sigterm=self.sigterm, stop=self._stop)
+
+    def _load_model(self):
+        super()._load_model()
+        if tf.io.gfile.exists(self._training_metadata_path):
+            with tf.io.gfile.GFile(self._training_metadata_path) as f:
+                self.steps_done = json.load(f).get(STEPS_DONE, 0)
+            self._last_batch_seen = max(self.steps_done - 1, 0)
 
     def on_train_batch_end(self, batch, logs=None):
-        super().on_train_batch_end(batch, logs)
-        if self.sigterm.requested():
-            self._last_batch_seen = batch
+        self._steps_now = batch + 1
+        if self._steps_now >= self.params["steps"]:
+            return  # the epoch's last step: saved at the epoch's end
+        super().on_train_batch_end(batch, logs)  # saves every `every_steps`
+        if self._handler is not None:  # saves and stops at the step all workers agree on
+            self._handler.save_checkpoint_if_preempted()
+        elif self.sigterm.requested():
             self._save_model()
-            self.sigterm.ignore()
-            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
-                        self._current_epoch + 1, batch + 1)
-            raise preemption.preempted(self.backup_dir)
+            self._stop()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._steps_now = 0
+        super().on_epoch_end(epoch, logs)  # saves if every_steps is 0
+        if self.save_freq != "epoch":
+            self._save_model()
+        if self._handler is None and self.sigterm.requested():
+            self._stop()
 
     def on_train_end(self, logs=None):
         if self._writes():
             super().on_train_end(logs)  # deletes the backup
+        if self._handler is not None:
+            preemption.close_mwms_handler(self._handler)
         self.sigterm.uninstall()
+
+    def _stop(self) -> None:
+        self.sigterm.ignore()
+        log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
+                    self._current_epoch + 1, self._steps_now)
+        raise preemption.preempted(self.backup_dir)
 
     def _writes(self) -> bool:
         return self.model.distribute_strategy.extended.should_checkpoint
 
     def _save_model(self):
-        if self._writes():
-            super()._save_model()
+        if not self._writes():
+            return
+        super()._save_model()
+        with tf.io.gfile.GFile(self._training_metadata_path) as f:
+            metadata = json.load(f)
+        metadata[STEPS_DONE] = self._steps_now
+        with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
+            f.write(json.dumps(metadata))
+        self._batches_seen_since_last_saving = 0  # the next, every_steps from this one
+
+
+# The backup's record of the steps done in its epoch (beside Keras' "epoch", "batch").
+STEPS_DONE = "steps_done"
 
 
 def backup(backup_dir: pathlib.Path, every_steps: int):
@@ -212,12 +263,46 @@ def _reduce_per_replica(values, strategy, reduction):
 
 def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
         steps_per_epoch: int, verbose) -> keras.callbacks.History:
-    """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`."""
+    """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`; a
+    resumed run starts its first epoch at the step after its backup's."""
     _tf_trainer.reduce_per_replica = _reduce_per_replica
     dataset = strategy.distribute_datasets_from_function(
         dataset_fn, options=strategies.input_options(strategy))
-    return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
-                     callbacks=callbacks_, verbose=verbose, shuffle=False)
+    backup_ = next((cb for cb in callbacks_ if isinstance(cb, Backup)), None)
+    with _first_epoch_from(lambda: backup_.steps_done if backup_ else 0):
+        return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
+                         callbacks=callbacks_, verbose=verbose, shuffle=False)
+
+
+@contextlib.contextmanager
+def _first_epoch_from(first_step):
+    """Within it, the next fit() numbers its first epoch's steps from `first_step()`
+    (read when that epoch begins, after the callbacks' on_train_begin restored the
+    backup). Keras 3.15's fit makes its training TFEpochIterator first, then any
+    for evaluation, which are left as they are."""
+    original = _tf_trainer.TFEpochIterator
+
+    class _Resuming(original):
+        def _enumerate_iterator(self):
+            first = self._first_step() if self._first_step else 0
+            self._first_step = None
+            # The skipped steps read no input (train_function does): the epoch's
+            # input goes on from where the iterator is.
+            for begin, end, iterator in super()._enumerate_iterator():
+                if begin >= first:
+                    yield begin, end, iterator
+
+    def make(*args, **kwargs):
+        _tf_trainer.TFEpochIterator = original  # one, for training
+        iterator = _Resuming(*args, **kwargs)
+        iterator._first_step = first_step
+        return iterator
+
+    _tf_trainer.TFEpochIterator = make
+    try:
+        yield
+    finally:
+        _tf_trainer.TFEpochIterator = original
 
 
 def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
