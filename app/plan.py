@@ -129,7 +129,7 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     variable = built.dialect.tf_variable
     trainable = {id(variable(v)) for v in model.trainable_variables}
     every = built.dialect.variables(model, built.optimizer)
-    slots = _slots(every, model.trainable_variables, variable)
+    slots = built.dialect.slots(model, built.optimizer)
     reported = {id(v) for v in every}
 
     shards: list[Shard] = []
@@ -196,21 +196,6 @@ def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
         else:
             total += (num_workers - 1) * looked_up[0] * (nbytes / var.shape[0] * scale + 8)
     return total
-
-
-def _slots(every: list, variables: list, variable: Any) -> dict[int, int]:
-    """id(slot) -> id(its variable) among `every` variable of a model and its optimizer:
-    tf_keras names a slot "<slot>/<variable>" (Keras 3's are not matched: they are
-    placed as variables of their own)."""
-    primaries = {variable(v)._shared_name: id(variable(v)) for v in variables}
-    out = {}
-    for var in every:
-        if not hasattr(var, "name"):  # a lookup table's handler
-            continue
-        _, sep, rest = var.name.removesuffix(":0").partition("/")
-        if sep and rest in primaries:
-            out[id(var)] = primaries[rest]
-    return out
 
 
 def _shard_rows(var, partitioner) -> list[int]:

@@ -94,6 +94,18 @@ def variables(model: keras.Model, optimizer) -> list:
     return model.variables + optimizer.variables()
 
 
+def slots(model: keras.Model, optimizer) -> dict[int, int]:
+    """id(slot) -> id(its variable), for `optimizer`'s slots of the model's trainable
+    variables: tf_keras names a slot "<slot>/<variable>"."""
+    primaries = {v._shared_name: id(v) for v in model.trainable_variables}
+    out = {}
+    for slot in optimizer.variables():
+        _, sep, rest = slot.name.removesuffix(":0").partition("/")
+        if sep and rest in primaries:
+            out[id(slot)] = primaries[rest]
+    return out
+
+
 def backup(backup_dir: pathlib.Path, every_steps: int):
     return callbacks.Backup(str(backup_dir), every_steps)
 

@@ -145,6 +145,21 @@ def tf_variable(variable):
     return variable.value if isinstance(variable, keras.Variable) else variable
 
 
+def slots(model: keras.Model, optimizer) -> dict[int, int]:
+    """id(slot) -> id(its variable), TensorFlow variables, for `optimizer`'s slots of
+    the model's trainable variables: Keras 3.15 names a slot "<the variable's path,
+    / as _>_<slot>" (BaseOptimizer.add_variable_from_reference) and colocates it with
+    its variable."""
+    prefixes = sorted(((v.path.replace("/", "_") + "_", id(tf_variable(v)))
+                       for v in model.trainable_variables), key=lambda p: -len(p[0]))
+    out = {}
+    for slot in optimizer.variables:
+        primary = next((id_ for prefix, id_ in prefixes if slot.name.startswith(prefix)), None)
+        if primary is not None:
+            out[id(tf_variable(slot))] = primary
+    return out
+
+
 def variables(model: keras.Model, optimizer) -> list:
     """The TensorFlow variables of the model and `optimizer` (a Keras 3 variable
     wraps one, a ShardedVariable under a partitioner)."""
