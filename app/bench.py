@@ -151,6 +151,11 @@ ROWS: dict[str, Row] = {
     "keras3_mwms_2w": Row("mwms_2w in Keras 3", _ps(2, 0, "task.keras=keras"), base="mwms_2w"),
     "keras3_ps_2w2p": Row("ps_2w2p in Keras 3 (the project's loop on the coordinator)",
                           _ps(2, 2, "task.keras=keras"), base="ps_2w2p"),
+    # Where Keras 3's time goes: with 8 steps per execution, the per-step work on the
+    # host (the fit loop, callbacks, dispatching the step) is paid once per 8 steps.
+    "keras3_spe8": Row("spe8 in Keras 3", (*_BASELINE, *_sets("task.keras=keras",
+                                                               "train.steps_per_execution=8")),
+                       base="spe8"),
 }
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
