@@ -163,8 +163,9 @@ class ClusterConfig:
 
     # Seconds the chief waits for every ps and worker task to accept
     # connections before it stops with exit code 2, naming the missing ones;
-    # and that a ps or worker task waits for a chief that left without
-    # finishing to come back, before it exits 203 to be restarted.
+    # that a ps or worker task waits for a chief that left without
+    # finishing to come back, before it exits 203 to be restarted; and that a
+    # chief that failed for good (exit 1 or 2) waits to tell them so.
     connect_timeout_s: int = field(120, above=0)
 
 

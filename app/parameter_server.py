@@ -3,7 +3,8 @@
 `create` gives the chief a `ParameterServerStrategy` with a variable
 partitioner, after checking that every `ps` and `worker` task answers within
 `cluster.connect_timeout_s`. `serve` runs a ps or worker task until the chief
-says, through `tell_finished`, that it has finished. `placement` reports which
+says, through `tell_finished`, that it has finished, or that it failed for
+good (`tell_failed`, app/chief_failure.py). `placement` reports which
 PS task holds how many bytes; `app.plan` predicts the same without a cluster.
 """
 
@@ -21,7 +22,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import tensorflow as tf
 
-from app import preemption
+from app import chief_failure, preemption
 from app.cluster import Cluster, TaskLost, reachable, wait_for_tasks
 from app.config import ConfigError, PSConfig, RuntimeConfig
 
@@ -62,6 +63,8 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
     writes on this task's own disk through TF (no shared storage needed). A
     chief gone without it is waited for `wait_s`; then `TaskLost` (exit 203, a
     code schedulers retry): the restarted task serves the chief when it comes.
+    A chief that failed for good says so (`chief_failure`: on its port before
+    it connected, in the mark after): `ChiefFailed`, with the chief's exit code.
     After SIGTERM (`stopping()`), the task stops once the chief has gone:
     `Preempted` (exit 204), retried as the chief's own exit.
     """
@@ -76,16 +79,25 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
     log.info("serving at %s; waiting for the chief at %s", address, chief)
     seen, gone_since = False, None
     while True:
-        if reachable(chief):
+        up, failure = chief_failure.ask(chief, cluster.label)
+        if failure is not None:
+            raise chief_failure.failed(chief, failure, cluster.label)
+        if up:
             if not seen or gone_since is not None:
                 log.info("the chief is up")
             seen, gone_since = True, None
-        elif stopping():
-            raise preemption.serving_preempted(cluster.label)
-        elif seen and os.path.exists(marker):
+        elif os.path.exists(marker):
+            # Even unseen (a chief that failed within a poll), and before SIGTERM: what
+            # the chief said is what happened (a launcher stops the tasks at once).
+            with open(marker) as f:
+                said = f.read()
             os.remove(marker)
+            if said.startswith(FAILED):
+                raise chief_failure.failed(chief, said.removeprefix(FAILED), cluster.label)
             log.info("the chief has finished; stopping")
             return
+        elif stopping():
+            raise preemption.serving_preempted(cluster.label, chief_seen=seen)
         elif seen:
             if gone_since is None:
                 gone_since = time.monotonic()
@@ -98,6 +110,10 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
                     f"exit code {TaskLost.exit_code}, which launchers and Kubernetes' "
                     "restartPolicy: ExitCode retry: restarted, it serves the chief again")
         time.sleep(poll_s)
+
+
+# A marker that starts so holds a chief's failure (`chief_failure.message`), not "finished".
+FAILED = "failed "
 
 
 def finished_marker(address: str) -> str:
@@ -118,23 +134,36 @@ def tell_finished(cluster: Cluster) -> None:
     A task that is down is skipped (logged): restarted, it serves until its
     scheduler or launcher stops it, as the chief will not come back.
     """
+    _mark(cluster, "finished", "that training finished")
+
+
+def tell_failed(cluster: Cluster, said: str) -> None:
+    """From a chief connected to the cluster that fails for good (`chief_failure.tell`):
+    the same marker, holding its exit code and error (`said`), so that `serve` raises
+    `ChiefFailed` instead of waiting for it to come back."""
+    _mark(cluster, FAILED + said, "that the chief failed")
+
+
+def _mark(cluster: Cluster, text: str, what: str) -> None:
     for job in ("ps", "worker"):
         for index, address in enumerate(cluster.jobs.get(job, ())):
             marker = finished_marker(address)
             if not reachable(address):  # TF would wait for it to come back
-                log.warning("could not tell %s:%d (%s) that training finished: it is down",
-                            job, index, address)
+                log.warning("could not tell %s:%d (%s) %s: it is down", job, index, address,
+                            what)
                 continue
             try:
                 with tf.device(f"/job:{job}/replica:0/task:{index}/device:CPU:0"):
-                    tf.io.write_file(marker, "finished")
+                    tf.io.write_file(marker, text)
                     # Read back: the write has happened on that task before the chief exits.
                     written = tf.io.read_file(marker).numpy()
-            except tf.errors.OpError as e:
-                written = e.message.splitlines()[0]
-            if written != b"finished":
-                log.warning("could not tell %s:%d (%s) that training finished: %s", job, index,
-                            address, written)
+            except (tf.errors.OpError, RuntimeError, ValueError) as e:
+                # OpError: that task failed it; RuntimeError, ValueError: this process
+                # knows no such device (it has not connected to the cluster).
+                written = (str(getattr(e, "message", e)).splitlines() or [""])[0]
+            if written != text.encode():
+                log.warning("could not tell %s:%d (%s) %s: %s", job, index, address, what,
+                            written)
 
 
 def start_server(spec: tf.train.ClusterSpec, job: str, index: int, protocol: str = "grpc",

@@ -158,7 +158,13 @@ def outlive_the_chief() -> Callable[[], bool]:
     return requested.is_set
 
 
-def serving_preempted(label: str) -> Preempted:
+def serving_preempted(label: str, chief_seen: bool = True) -> Preempted:
+    if not chief_seen:
+        # No chief has connected to this task since it started: none has trained
+        # through it, so it cannot speak of a backup (a job whose chief stopped
+        # before training, then cancelled, had none).
+        return Preempted(f"preempted (SIGTERM) before any chief had connected to {label}; it "
+                         f"stops (exit code {EXIT_CODE}): no training ran through it")
     return Preempted(f"preempted (SIGTERM): the chief has left, and {label} stops with it "
                      f"(exit code {EXIT_CODE}); run the job again to resume from the chief's "
                      "backup")

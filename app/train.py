@@ -13,14 +13,15 @@ import logging
 import os
 import pathlib
 import sys
+import traceback
 import typing
 
 # Before TensorFlow is imported: its C++ INFO lines would bury the progress bar.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
+from app import chief_failure, memory  # noqa: E402
 from app import cluster as clusters  # noqa: E402
 from app import config as cfg  # noqa: E402
-from app import memory  # noqa: E402
 from app import workdir as workdirs  # noqa: E402
 
 log = logging.getLogger("app")
@@ -117,10 +118,19 @@ def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     exit_now(0)
 
 
+def failed(cluster: clusters.Cluster | None, config: cfg.Config | None, code: int,
+           reason: str) -> int:
+    """`code`, once a parameter-server chief has told its ps and worker tasks that it
+    failed for good, so that they stop too instead of waiting for it (app/chief_failure.py)."""
+    wait_s = (config or cfg.Config()).cluster.connect_timeout_s
+    chief_failure.tell(cluster, code, reason, wait_s)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
-    label = "local"
+    label, cluster, config = "local", None, None
     try:
         config = cfg.load(args.config, overrides)
         cluster = clusters.read()
@@ -157,13 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         metrics = trainer.run(config, workdir, task=task, cluster=cluster)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return failed(cluster, config, 2, str(e))
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
     except Exception as e:
         if not memory.is_out_of_memory(e):
-            raise
+            if not chief_failure.applies(cluster):
+                raise
+            traceback.print_exc()  # as Python would, before the chief tells its tasks
+            return failed(cluster, config, 1, f"{type(e).__name__}: {e}")
         print(f"error: {memory.message(e, label, config.runtime.memory_limit_gib)}",
               file=sys.stderr)
         # At once: a chief whose ps ran out returned from here into a segfault (-11)

@@ -12,9 +12,9 @@ import signal
 import pytest
 import yaml
 
+from app import chief_failure, memory, preemption, strategy, train
 from app import cluster as clusters
 from app import config as cfg
-from app import memory, preemption, strategy, train
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "launch" / "k8s"
@@ -243,6 +243,9 @@ def test_the_restart_policy_retries_exactly_the_exits_a_restart_can_fix(manifest
     assert all(128 <= code <= 255 for code in retried), retried
     # Not a death by signal either: 128 + N for N up to SIGRTMAX.
     assert min(clusters.TaskLost.exit_code, preemption.EXIT_CODE) > 128 + signal.SIGRTMAX
+    # A chief that fails for good, and the ps and worker pods it tells (they exit with
+    # its code), fail the job: none is restarted, and cleanPodPolicy removes the rest.
+    assert all(1 <= code <= 127 for code in chief_failure.PERMANENT)
 
 
 def test_the_workdir_claim_and_network_policies_are_well_formed():

@@ -153,3 +153,22 @@ def test_restart_alone_does_not_retry_a_configuration_error():
     worker, chief = FakeTask("worker:0", [2], seen), FakeTask("chief:0", [None], seen)
     assert tasks.restart_alone([worker, chief], chief, 5, threading.Event()) == 2
     assert seen == ["worker:0", "chief:0"] and chief.returncode == PREEMPTED  # stopped
+
+
+def test_a_chief_refusing_a_finished_workdir_stops_every_task_with_its_reason(tmp_path):
+    """The chief exits 2 before training; the ps and the worker, told by it, stop with
+    its code and say why, instead of waiting or claiming a backup."""
+    workdir = tmp_path / "done"
+    workdir.mkdir()
+    (workdir / "metrics.json").write_text("{}")
+    launcher = launching.launch("--workers", "1", "--ps", "1", "--set", "task.model=mlp",
+                                "--workdir", str(workdir))
+    output, _ = launcher.communicate(timeout=300)
+    assert launcher.returncode == 2, output[-3000:]
+    assert f"--workdir {workdir} already holds a finished run" in output
+    for task in ("ps:0", "worker:0"):
+        assert (f"failed with exit code 2: --workdir {workdir} already holds a finished run "
+                f"(metrics.json); choose a new --workdir; {task} stops with the same code"
+                ) in output, output[-3000:]
+        assert f"[launch] {task} exited with 2" in output
+    assert "resume from the chief's backup" not in output

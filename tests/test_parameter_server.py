@@ -7,6 +7,7 @@ process's devices for good, so these tests run in a pytest process of their
 own (`make test` runs the `cluster` marker separately).
 """
 
+import dataclasses
 import json
 import os
 import socket
@@ -19,9 +20,9 @@ import tensorflow as tf
 import tf_keras as keras
 import zoo
 
+from app import chief_failure, parameter_server, plan, runners, trainer
 from app import cluster as clusters
 from app import config as cfg
-from app import parameter_server, plan, runners, trainer
 from app.dialects import keras2
 from launch import inprocess
 from tests.conftest import tiny_task
@@ -166,21 +167,26 @@ def test_fp16_push_in_sync_mode_is_refused(ps_strategy, ps_cluster, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def serve_in_thread(job: str, wait_s: float) -> tuple[socket.socket, dict, threading.Event]:
-    """A listening socket standing for the chief, and `serve` of task `job`:0 in a
-    thread; (the chief, what serve raised as {"error": ...}, set when it ends)."""
+def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True
+                    ) -> tuple[socket.socket, dict, threading.Event]:
+    """A listening socket standing for the chief (closed already unless `chief_up`), and
+    `serve` of task `job`:0 in a thread; (the chief, what serve raised as
+    {"error": ...} and the task's cluster, set when it ends)."""
     chief = socket.socket()
     chief.bind(("localhost", 0))
     chief.listen()
     free = inprocess.portpicker.pick_unused_port
     spec = {"chief": [f"localhost:{chief.getsockname()[1]}"], "ps": [f"localhost:{free()}"],
             "worker": [f"localhost:{free()}"]}
+    if not chief_up:  # a chief that never connected: its port is free
+        chief.close()
     task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
-    outcome, done = {}, threading.Event()
+    outcome, done = {"cluster": task}, threading.Event()
 
     def run():
         try:
-            parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1)
+            parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1,
+                                   stopping=stopping)
         except clusters.TaskLost as e:
             outcome["error"] = e
         done.set()
@@ -213,6 +219,42 @@ def test_a_task_whose_chief_does_not_come_back_exits_with_a_retried_code():
     assert error.exit_code == 203
     assert ("left without finishing and has not come back within cluster.connect_timeout_s "
             "= 0.5 s; worker:0 stops with exit code 203") in str(error)
+
+
+def test_a_task_whose_chief_failed_before_connecting_stops_with_the_chiefs_code():
+    chief, outcome, done = serve_in_thread("worker", wait_s=60, chief_up=False)
+    cluster = dataclasses.replace(outcome["cluster"], task_type="chief")
+    # No ps:0 serves here, so the chief would wait for it: in a thread of its own.
+    threading.Thread(target=chief_failure.tell, daemon=True, args=(
+        cluster, 2, "--workdir /runs/a already holds a finished run", 20)).start()
+    assert done.wait(timeout=15)
+    error = outcome["error"]
+    assert error.exit_code == 2
+    assert str(error).startswith(
+        f"the chief ({cluster.jobs['chief'][0]}) failed with exit code 2: --workdir /runs/a "
+        "already holds a finished run; worker:0 stops with the same code")
+
+
+def test_a_task_whose_chief_failed_after_connecting_reads_it_in_the_marker():
+    chief, outcome, done = serve_in_thread("ps", wait_s=60)
+    time.sleep(1.0)  # seen
+    chief.close()
+    # What the chief's tell_failed writes through TF on this task's disk.
+    with open(outcome["marker"] + ".tmp", "w") as f:  # whole, as TF's write is
+        f.write(parameter_server.FAILED + chief_failure.message(1, "ValueError: bad batch"))
+    os.replace(outcome["marker"] + ".tmp", outcome["marker"])
+    assert done.wait(timeout=10)
+    assert outcome["error"].exit_code == 1
+    assert "failed with exit code 1: ValueError: bad batch; ps:0 stops" in str(outcome["error"])
+
+
+def test_sigterm_before_any_chief_came_speaks_of_no_backup():
+    chief, outcome, done = serve_in_thread("ps", wait_s=60, stopping=lambda: True,
+                                           chief_up=False)
+    assert done.wait(timeout=10)
+    assert str(outcome["error"]) == (
+        "preempted (SIGTERM) before any chief had connected to ps:0; it stops (exit code 204): "
+        "no training ran through it")
 
 
 def test_the_example_task_trains_on_the_cluster(ps_strategy, ps_cluster, tmp_path):

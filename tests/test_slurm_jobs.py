@@ -7,6 +7,7 @@ job runs several tasks on the one node, trains the MLP for a few hundred
 steps at most, and writes its workdir under pytest's tmp_path.
 """
 
+import datetime
 import json
 import pathlib
 import re
@@ -65,13 +66,14 @@ def job(env: dict[str, str], job_id: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in text.split() if "=" in f)
 
 
-def wait_for_end(env: dict[str, str], job_id: str) -> dict[str, str]:
-    deadline = time.monotonic() + JOB_TIMEOUT_S
+def wait_for_end(env: dict[str, str], job_id: str,
+                 timeout_s: float = JOB_TIMEOUT_S) -> dict[str, str]:
+    deadline = time.monotonic() + timeout_s
     while (fields := job(env, job_id))["JobState"] not in (
             "COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
         if time.monotonic() > deadline:
             subprocess.run(["scancel", job_id], env=env)
-            pytest.fail(f"job {job_id} still {fields['JobState']} after {JOB_TIMEOUT_S} s")
+            pytest.fail(f"job {job_id} still {fields['JobState']} after {timeout_s:g} s")
         time.sleep(1)
     return fields
 
@@ -142,3 +144,28 @@ def test_multi_worker_mirrored_job_two_tasks_on_one_node(slurm, mwms_job):
     assert metrics["num_workers"] == 2
     assert [row["epoch"] for row in metrics["history"]] == [1, 2]
     assert (fields["NumNodes"], fields["NumTasks"]) == ("1", "2")  # two tasks on one node
+
+
+def test_a_chief_refusing_a_finished_workdir_ends_every_task_of_the_job(slurm, tmp_path):
+    """The chief exits 2 at once; it tells the ps and the worker, which stop with its
+    code instead of waiting for it until the time limit: the job ends within
+    cluster.connect_timeout_s and a minute, and every task says why."""
+    workdir, out = tmp_path / "done", tmp_path / "job.out"
+    workdir.mkdir()
+    (workdir / "metrics.json").write_text("{}")
+    connect_timeout_s = 30
+    job_id = submit(slurm, out, ["--ntasks=3"],
+                    ["--set", f"cluster.connect_timeout_s={connect_timeout_s}"],
+                    PS="1", CONFIG="configs/mnist_ps.toml", WORKDIR=str(workdir),
+                    PORT="2422")  # apart from the other jobs' ports
+    fields = wait_for_end(slurm, job_id, timeout_s=connect_timeout_s + 60 + 120)
+    log = read(out)
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "2:0"), log
+    took = datetime.datetime.fromisoformat(fields["EndTime"]) - datetime.datetime.fromisoformat(
+        fields["StartTime"])
+    assert took.total_seconds() <= connect_timeout_s + 60, (took, log)
+    assert f"--workdir {workdir} already holds a finished run" in log
+    for task in ("ps:0", "worker:0"):
+        assert f"failed with exit code 2: --workdir {workdir}" in log, log
+        assert f"{task} stops with the same code" in log, log
+    assert "resume from the chief's backup" not in log, log
