@@ -111,3 +111,27 @@ def test_a_tasks_own_optimizer_of_the_other_keras_is_refused():
     assert str(e.value) == (
         f"task _Losses mixes two Kerases: its model is {keras3.LABEL} and its optimizer (Adam) "
         f"is {keras2.LABEL}; build every object of a task with one of them (import keras here)")
+
+
+@pytest.mark.parametrize("mirrored", [False, True], ids=["one_device", "mirrored"])
+def test_the_fused_adam_steps_as_keras_own_adam_does(mirrored):
+    # A dense kernel takes the fused kernel; the embedding's sparse gradient Keras' update.
+    strategy = one_device_reduction_mirrored() if mirrored else tf.distribute.get_strategy()
+    rng = np.random.default_rng(0)
+    ids, y = rng.integers(0, 50, (64, 3)), rng.normal(size=(64, 1)).astype("float32")
+    trained = []
+    for make in (lambda: keras.optimizers.Adam(0.05),
+                 lambda: keras3.optimizer("adam", 0.05, config())):
+        keras.utils.set_random_seed(1)
+        with strategy.scope():
+            adam = make()
+            model = keras.Sequential([keras.Input((3,), dtype="int32"),
+                                      keras.layers.Embedding(50, 4), keras.layers.Flatten(),
+                                      keras.layers.Dense(8, "relu"), keras.layers.Dense(1)])
+            model.compile(optimizer=adam, loss="mse")
+        model.fit(ids, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+        trained.append([v.numpy() for v in [*model.weights, *adam.variables]])
+    assert len(trained[0]) == len(trained[1])
+    for keras_own, fused in zip(*trained, strict=True):  # float32 rounding apart
+        np.testing.assert_allclose(fused, keras_own, rtol=1e-4, atol=1e-5)
+    assert "update_step" in vars(keras3.optimizer("adam", 0.05, config()))  # the fused one

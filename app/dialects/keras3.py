@@ -60,8 +60,43 @@ def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimiz
                               "models; this task's model is Keras 3. Set it to none")
     if kind == "sgd":
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
-    return {"adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad}[kind](
-        learning_rate)
+    if kind == "adam":
+        return fused_adam(keras.optimizers.Adam(learning_rate))
+    return keras.optimizers.Adagrad(learning_rate)
+
+
+def fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
+    """`adam`, its dense updates made by TensorFlow's fused ResourceApplyAdam kernel,
+    as Keras 2's Adam's are.
+
+    Keras 3.15's Adam writes its update as ten elementwise ops, each a pass over
+    the variable or a slot (`python examples/step_ops.py`): the MNIST CNN's step
+    took 16% more CPU under Mirrored than Keras 2's. The kernel computes the same
+    formula in one pass. Sparse gradients and amsgrad keep Keras' own update.
+    Set on the instance, not a subclass: the optimizer saved in `model.keras`
+    stays Keras' own Adam, which loads anywhere.
+    """
+    keras_update = adam.update_step
+
+    def update_step(gradient, variable, learning_rate):
+        if adam.amsgrad or isinstance(gradient, tf.IndexedSlices):
+            return keras_update(gradient, variable, learning_rate)
+        index = adam._get_variable_index(variable)
+        var = tf_variable(variable)
+        dtype = var.dtype
+        step = tf.cast(adam.iterations + 1, dtype)
+        beta_1, beta_2 = tf.cast(adam.beta_1, dtype), tf.cast(adam.beta_2, dtype)
+        # Inside strategy.extended.update, a mirrored variable's handle is this
+        # device's copy's.
+        tf.raw_ops.ResourceApplyAdam(
+            var=var.handle, m=tf_variable(adam._momentums[index]).handle,
+            v=tf_variable(adam._velocities[index]).handle,
+            beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step),
+            lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
+            epsilon=tf.cast(adam.epsilon, dtype), grad=tf.cast(gradient, dtype))
+
+    adam.update_step = update_step
+    return adam
 
 
 def schedules():
