@@ -35,7 +35,7 @@ import socket
 import sys
 import time
 
-from app.cluster import Cluster, TaskLost
+from app.cluster import Cluster, TaskLost, connect
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +75,8 @@ def ask(address: str, label: str, timeout_s: float = 1.0) -> tuple[bool, str | N
     chief with its label so that the chief knows who has heard. A TensorFlow
     server says no such line: a live chief costs a connection and up to
     `timeout_s` of waiting."""
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+        with connect(address, timeout_s) as s:
             data = b""
             try:
                 while b"\n" not in data and len(data) < 4096:

@@ -234,11 +234,16 @@ def wait_for_tasks(cluster: Cluster, timeout_s: float, jobs: tuple[str, ...],
         time.sleep(poll_s)
 
 
+def connect(address: str, timeout_s: float = 1.0) -> socket.socket:
+    """A TCP connection to host:port; OSError when nothing accepts one."""
+    host, _, port = address.rpartition(":")
+    return socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+
+
 def reachable(address: str, timeout_s: float = 1.0) -> bool:
     """Whether something accepts TCP connections at host:port."""
-    host, _, port = address.rpartition(":")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+        with connect(address, timeout_s):
             return True
     except OSError:
         return False
