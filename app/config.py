@@ -51,7 +51,7 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    """How the training data is divided among the workers' input pipelines."""
+    """Where the training input pipelines run and how the data is divided among them."""
 
     # How the training data is split over the input pipelines (one per worker),
     # as tf.data's AutoShardPolicy names it. "data": pipeline i of n takes
@@ -61,6 +61,11 @@ class DataConfig:
     # every pipeline reads the whole set, each in its own shuffled order (under
     # parameter servers, in one order: app/task.py, Task.pipeline_seed).
     shard_policy: str = field("auto", choices=("auto", "data", "file", "off"))
+    # The tf.data service dispatcher's host:port (app/data_service.py): the
+    # training input pipelines then run in its tf.data workers, sharded among all
+    # trainers on demand (shard_policy does not apply), and not in the trainers.
+    # "" = off. `launch.local --data-workers N` starts a service and sets it.
+    service: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,6 +322,12 @@ def validate(config: Config) -> None:
             f"runtime.memory_limit_gib = {limit:g} is below the {MIN_MEMORY_LIMIT_GIB:g} GiB "
             "a task needs to start TensorFlow at all (app/memory.py); give at least "
             f"{MIN_MEMORY_LIMIT_GIB:g}, or 0 for no limit")
+    address = config.data.service.removeprefix("grpc://")
+    if address and not (address.rpartition(":")[0] and address.rpartition(":")[2].isdigit()):
+        raise ConfigError(f"data.service = {config.data.service!r} is not a dispatcher's "
+                          "host:port (e.g. localhost:5050); set it to the address of `python "
+                          "-m app.data_service dispatcher`, or to \"\" to read input in the "
+                          "trainers")
     if not config.task.name:
         raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
                           "path like 'my_package.my_module:MyTask'")

@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from app import callbacks, data, dialects, runners
+from app import callbacks, data, data_service, dialects, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
@@ -66,6 +66,10 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
         config, workdir, outdir, model, throughput, _evaluations(config, task, evaluate, test_ds),
         resumable=runner.resumable, dialect=runner.dialect)
     train_fn = runner.train_fn(task)
+    if config.data.service:
+        train_fn = data_service.Reader(config.data.service, str(workdir.resolve()),
+                                       config.task.name,
+                                       config.cluster.connect_timeout_s).wrap(train_fn)
     history = runner.fit(model, train_fn, run_callbacks, steps_per_epoch, workdir)
     test = evaluate(test_ds)
     # Whole or absent, never half-written.

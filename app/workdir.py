@@ -34,6 +34,11 @@ def default_path() -> pathlib.Path:
     return pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 
 
+# Settings that say where a run's parts are, not what it trains: a resumed run may
+# change them (a relaunched tf.data service listens on a new port).
+WHERE_NOT_WHAT = frozenset({"data.service"})
+
+
 def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
     """Create `path` and write the config there, or explain why this run cannot use it.
 
@@ -51,7 +56,7 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
     if saved.exists() and has_backup(path):
         before = cfg.flatten(cfg.load(str(saved)))
         changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in cfg.flatten(config).items()
-                   if before.get(k) != v]
+                   if before.get(k) != v and k not in WHERE_NOT_WHAT]
         if changed:
             raise cfg.ConfigError(
                 f"--workdir {path} holds an interrupted run with a different config "

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -54,7 +55,17 @@ from app import config as cfg
 from app.workdir import default_path
 from launch import network
 from launch.inprocess import cluster_spec
-from launch.tasks import NOT_RETRIED, PREEMPTED, Task, announce, exit_text, grace, restart_alone
+from launch.tasks import (
+    NOT_RETRIED,
+    PREEMPTED,
+    DataTask,
+    Task,
+    announce,
+    exit_text,
+    grace,
+    restart_alone,
+    stop_data,
+)
 
 TASK_RESTARTS = 3  # --max-restarts under --restart task unless given
 # Set by SIGTERM to the launcher itself: the scheduler or the machine is stopping
@@ -93,11 +104,26 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
     if args.link:
         links = network.Links(args.link, network.task_ports(spec), announce)
         announce(f"every task's port limited to {args.link_text} each way")
-    tasks = [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
-             for i in range(len(spec.get(job, ())))]
+    tasks = data_tasks(args, host)  # first: the trainers wait for the dispatcher
+    tasks += [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
+              for i in range(len(spec.get(job, ())))]
     if links:
         links.schedule(args.partitions, serving=task_labels(args))
     return tasks, links
+
+
+def data_tasks(args: argparse.Namespace, host: str) -> list[Task]:
+    """With --data-workers N: the tf.data service's dispatcher, journaling in the
+    workdir (fault-tolerant), and N tf.data workers, each on a port of its own that
+    a restart keeps, as a pod's address stays."""
+    if not args.data_workers:
+        return []
+    dispatcher = f"{host}:{args.dispatcher_port}"
+    tasks = [DataTask("dispatcher", 0, {}, ["dispatcher", "--port", str(args.dispatcher_port),
+                                             "--work-dir", str(args.workdir / "data_service")])]
+    return tasks + [DataTask("data_worker", i, {}, [
+        "worker", "--dispatcher", dispatcher, "--host", host, "--port", str(port)])
+        for i, port in enumerate(args.data_worker_ports)]
 
 
 def close_links(links: network.Links | None) -> None:
@@ -145,6 +171,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         announce(f"{lead.label} exited with {exit_text(code)}")
     elif failed is None and code == 0:  # the others see the run end and exit by themselves
         announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
+        stop_data(tasks)
     else:
         if failed is None:
             announce(f"{lead.label} exited with {exit_text(code)}; stopping the other tasks")
@@ -277,6 +304,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="with --link: cut TASK off the network SECONDS after every task "
                              "serves, for DURATION seconds or to the end (e.g. worker:1@40+30); "
                              "a relaunch after a failure runs without it")
+    parser.add_argument("--data-workers", type=int, default=0, metavar="N",
+                        help="run the training input pipelines in a tf.data service: a "
+                             "dispatcher and N tf.data workers, each a process of its own "
+                             "(sets data.service; app/data_service.py)")
     parser.add_argument("--memory-limit-gib", type=float, metavar="GIB",
                         help="limit every task's memory to GIB (runtime.memory_limit_gib, "
                              "app/memory.py); the cluster is not started if app.plan predicts "
@@ -284,8 +315,9 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     args, train_args = parser.parse_known_args(argv)
     if args.max_restarts is None:  # naming a restart policy asks for restarts
         args.max_restarts = TASK_RESTARTS if args.restart == "task" else 0
-    if args.workers < 1 or args.ps < 0 or args.max_restarts < 0:
-        parser.error("--workers must be at least 1, --ps and --max-restarts at least 0")
+    if args.workers < 1 or args.ps < 0 or args.max_restarts < 0 or args.data_workers < 0:
+        parser.error("--workers must be at least 1, --ps, --max-restarts and --data-workers "
+                     "at least 0")
     if args.restart == "task" and not args.ps:
         parser.error("--restart task needs parameter servers (--ps 1 or more): synchronous "
                      "workers all-reduce every step, so one restarted alone finds its peers "
@@ -308,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
         train_args += ["--workdir", str(default_path())]
+    if args.data_workers:  # ports kept by every relaunch: a dispatcher resumes its journal
+        args.workdir = pathlib.Path(train_args[train_args.index("--workdir") + 1])
+        args.dispatcher_port = portpicker.pick_unused_port()
+        args.data_worker_ports = [portpicker.pick_unused_port()
+                                  for _ in range(args.data_workers)]
+        host = network.HOST if args.link else "localhost"
+        train_args += ["--set", f"data.service={host}:{args.dispatcher_port}"]
     train_args = thread_settings(args.workers, train_args) + train_args
     _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

@@ -39,17 +39,26 @@ NOT_RETRIED = (0, 2, OUT_OF_MEMORY)  # out of memory again, with the same limit
 class Task:
     """One task's process, its output copied line by line under its label."""
 
+    # A task of the tf.data service (app/data_service.py) serves the trainers and ends
+    # only when told: once the lead has finished, not with the others.
+    serves_data = False
+
     def __init__(self, job: str, index: int, spec: dict, train_args: list[str]):
         self.job, self.index, self.spec, self.train_args = job, index, spec, train_args
         self.label = f"{job}:{index}"
-        env = dict(os.environ, TF_CONFIG=json.dumps(
-            {"cluster": spec, "task": {"type": job, "index": index}}))
         self.process = subprocess.Popen(
-            [sys.executable, "-u", "-m", "app.train", *train_args], env=env,
+            [sys.executable, "-u", "-m", *self.command()], env=self.environment(),
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         self._copier = threading.Thread(target=self._copy, daemon=True)
         self._copier.start()
         announce(f"{self.label} started, pid {self.process.pid}")
+
+    def command(self) -> list[str]:
+        return ["app.train", *self.train_args]
+
+    def environment(self) -> dict[str, str]:
+        return dict(os.environ, TF_CONFIG=json.dumps(
+            {"cluster": self.spec, "task": {"type": self.job, "index": self.index}}))
 
     def _copy(self) -> None:
         prefix = f"[{self.label}]"
@@ -60,7 +69,7 @@ class Task:
 
     def again(self) -> Task:
         """The same task started anew: same command, same TF_CONFIG, same port."""
-        return Task(self.job, self.index, self.spec, self.train_args)
+        return type(self)(self.job, self.index, self.spec, self.train_args)
 
     def stop(self, now: bool = False) -> None:
         """SIGTERM (the task saves a backup, app/preemption.py), or SIGKILL `now`."""
@@ -79,6 +88,26 @@ class Task:
                 escalate()
         self._copier.join(timeout=5)
         return code
+
+
+class DataTask(Task):
+    """A dispatcher or tf.data worker: `python -m app.data_service` with `args`
+    (in place of app.train's), outside TF_CONFIG's cluster."""
+
+    serves_data = True
+
+    def command(self):
+        return ["app.data_service", *self.train_args]
+
+    def environment(self):
+        return dict(os.environ)
+
+
+def stop_data(tasks: list[Task]) -> None:
+    """Tell the tf.data service's tasks the job is over (SIGTERM; they exit 0)."""
+    for task in tasks:
+        if task.serves_data:
+            task.stop()
 
 
 def announce(message: str) -> None:
@@ -132,6 +161,7 @@ def restart_alone(tasks: list[Task], lead: Task, max_restarts: int,
                  "no restart")
         return stop_all(tasks, first=lead)
     announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
+    stop_data(tasks)
     for task in tasks:
         if task is not lead:
             announce(f"{task.label} exited with {exit_text(task.finish(grace(task)))}")

@@ -167,3 +167,13 @@ def test_cnn_is_the_classic_network(kerases):
 def test_mlp_is_the_512_128_128_stack(kerases):
     model = mnist.mlp(kerases, (28, 28, 1), 10)
     assert [layer.units for layer in model.layers if hasattr(layer, "units")] == [512, 128, 128, 10]
+
+
+def test_preprocessing_rounds_cost_work_and_leave_the_images_as_they_were():
+    images = tf.random.uniform((4, 28, 28, 1), maxval=256, dtype=tf.int32)
+    images = tf.cast(images, tf.uint8)
+    done = mnist.preprocess(images, 3)
+    assert done.dtype == tf.uint8 and np.array_equal(done.numpy(), images.numpy())
+    graph = tf.function(lambda x: mnist.preprocess(x, 3)).get_concrete_function(
+        tf.TensorSpec((None, 28, 28, 1), tf.uint8)).graph
+    assert [op.type for op in graph.get_operations()].count("Conv2D") == 3

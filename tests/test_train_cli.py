@@ -73,6 +73,12 @@ def test_mirrored_on_two_logical_cpus(tmp_path):
     (["--strategy", "mirrored"], json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
                                              "task": {"type": "worker", "index": 0}}),
      "error: --strategy mirrored trains on one host, but TF_CONFIG describes a cluster"),
+    (["--set", "task.name=tests.numbered:PythonNumbered", "--set", "data.service=localhost:1"],
+     None, "error: data.service: the training dataset of task tests.numbered:PythonNumbered "
+           "calls Python through EagerPyFunc (tf.py_function)"),
+    (["--set", "data.service=localhost:1", "--set", "cluster.connect_timeout_s=2"], None,
+     "error: no tf.data service dispatcher answers at data.service = grpc://localhost:1 "
+     "within cluster.connect_timeout_s = 2 s"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
     result = run_cli(*args, "--workdir", str(tmp_path / "w"), tf_config=tf_config)

@@ -53,6 +53,11 @@ class Params:
     shuffle_buffer: int = field(60000, minimum=0)
     # Random translation of up to this many pixels in each direction (0 = off).
     augment_shift: int = field(0, minimum=0)
+    # Rounds of a 5x5 convolution over every training image in the input
+    # pipeline, its result discarded: a stand-in for CPU-heavy preprocessing
+    # (decoding, augmentation) whose cost is this knob. 0 = none. The
+    # input-bound benchmark (app/bench_input.py) sets it.
+    preprocess_rounds: int = field(0, minimum=0)
     # The Keras the model is written in: "tf_keras" (Keras 2) or "keras" (Keras 3).
     keras: str = field("tf_keras", choices=dialects.NAMES)
 
@@ -123,12 +128,17 @@ class Mnist(Task):
 
     def train_dataset(self, context, global_batch_size):
         p = self.params
-        shift = p.augment_shift
+        shift, rounds = p.augment_shift, p.preprocess_rounds
+
+        def augment(images, labels):
+            images = random_shift(images, shift) if shift else images
+            return (preprocess(images, rounds) if rounds else images), labels
+
         return data.batches(
             self.shard(self.splits.train(), context),
             context.get_per_replica_batch_size(global_batch_size),
             seed=self.pipeline_seed(context), shuffle_buffer=p.shuffle_buffer,
-            augment=(lambda x, y: (random_shift(x, shift), y)) if shift else None)
+            augment=augment if shift or rounds else None)
 
     def eval_dataset(self, split, batch_size):
         source = self.splits.validation if split == "validation" else self.splits.test
@@ -233,6 +243,17 @@ def _tfds(name: str, data_dir: str) -> Splits:
 
     return Splits(source("train"), info.splits["train"].num_examples, None, 0,
                   source("test"), info.splits["test"].num_examples)
+
+
+def preprocess(images: tf.Tensor, rounds: int) -> tf.Tensor:
+    """`images` unchanged, after `rounds` 5x5 convolutions of them: CPU work per image
+    that no optimizer removes, since the result takes part in the output (as 0)."""
+    x = tf.cast(images, tf.float32)
+    kernel = tf.fill([5, 5, 1, 1], 1.0 / 25)
+    for _ in range(rounds):
+        x = tf.nn.conv2d(x, kernel, strides=1, padding="SAME")
+    nothing = tf.minimum(tf.abs(tf.reduce_sum(x)), 0.0)  # always 0, never folded
+    return images + tf.cast(nothing, images.dtype)
 
 
 def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> tf.Tensor:

@@ -1,0 +1,103 @@
+"""A task whose examples are numbered and whose model counts how often it trained on
+each: metrics.json then says what an epoch saw (tests/test_data_service.py,
+examples/visitation.py).
+
+The training data is the numbers 0 .. PASSES * examples - 1 in order: numbers
+below `examples` are the first epoch's examples, the rest stand for the epochs
+after it, read early when a failure lost batches in flight. A `Visits` layer
+adds 1 per training example to a variable on the parameter servers (or the
+replicas), so a step counts only where its update was applied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from app.config import field
+from app.task import Task
+
+PASSES = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    # Examples in one epoch.
+    examples: int = field(4096, above=0)
+    # Floating-point operations per example (a matmul chain), so that steps take time.
+    width: int = field(64, above=0)
+
+
+class Visits(keras.layers.Layer):
+    """Counts the examples of each training batch, by number; passes them on as floats."""
+
+    def __init__(self, size: int, **kwargs):
+        super().__init__(**kwargs)
+        self.size = size
+
+    def build(self, input_shape):
+        # Summed over replicas (Mirrored, MultiWorkerMirrored): each adds its own examples.
+        self.counts = self.add_weight("counts", shape=(self.size,), initializer="zeros",
+                                      trainable=False, aggregation=tf.VariableAggregation.SUM)
+
+    def call(self, ids, training=None):
+        if training:
+            ones = tf.ones_like(ids, tf.float32)
+            self.counts.scatter_add(tf.IndexedSlices(ones, ids))
+        return tf.cast(ids % 1000, tf.float32)[:, None] / 1000.0
+
+    def get_config(self):
+        return {**super().get_config(), "size": self.size}
+
+
+class Numbered(Task):
+    Params = Params
+
+    def build_model(self):
+        ids = keras.Input((), dtype=tf.int64)
+        x = Visits(PASSES * self.params.examples, name="visits")(ids)
+        x = keras.layers.Dense(self.params.width, activation="relu")(x)
+        x = keras.layers.Dense(self.params.width, activation="relu")(x)
+        return keras.Model(ids, keras.layers.Dense(1)(x))
+
+    def _examples(self, count: int) -> tf.data.Dataset:
+        ids = tf.data.Dataset.range(count)
+        return ids.map(lambda i: (i, tf.cast(i % 7, tf.float32)))
+
+    def train_dataset(self, context, global_batch_size):
+        dataset = self.shard(self._examples(PASSES * self.params.examples), context)
+        return dataset.batch(context.get_per_replica_batch_size(global_batch_size),
+                             drop_remainder=True).prefetch(2)
+
+    def eval_dataset(self, split, batch_size):
+        return self._examples(256).batch(batch_size) if split == "test" else None
+
+    def train_examples(self):
+        return self.params.examples
+
+    def loss(self):
+        return keras.losses.MeanSquaredError()
+
+    def report(self, model, test):
+        counts = model.get_layer("visits").counts.numpy()
+        return visits(counts, self.params.examples)
+
+
+class PythonNumbered(Numbered):
+    """Numbered, its examples made by Python code (which a tf.data worker cannot run)."""
+
+    def _examples(self, count):
+        return super()._examples(count).map(
+            lambda i, y: (tf.py_function(lambda v: v, [i], tf.int64), y))
+
+
+def visits(counts: np.ndarray, examples: int) -> dict[str, int]:
+    """How many of the first epoch's examples were trained on 0, 1 and 2+ times, and
+    how many examples of later epochs were trained on."""
+    first = counts[:examples]
+    return {"visits_0": int((first == 0).sum()), "visits_1": int((first == 1).sum()),
+            "visits_2plus": int((first >= 2).sum()),
+            "visits_later": int((counts[examples:] > 0).sum())}

@@ -1,0 +1,107 @@
+"""The tf.data service (app/data_service.py): what it refuses, training through it in
+one process and under Mirrored, and, end to end with launch.local, what one epoch
+of a parameter-server run sees when a trainer or a tf.data worker is SIGKILLed.
+The examples are numbered (tests/numbered.py): metrics.json counts their visits."""
+
+import json
+import time
+
+import portpicker
+import pytest
+import tensorflow as tf
+
+from app import config as cfg
+from app import data_service, strategy, trainer
+from tests import launching
+from tests.conftest import one_device_reduction_mirrored
+from tests.numbered import Numbered, Params, PythonNumbered
+
+service = tf.data.experimental.service
+
+
+@pytest.fixture(scope="module")
+def dispatcher():
+    """A dispatcher and two tf.data workers in this process; the dispatcher's host:port."""
+    servers = [data_service.serve_dispatcher(0, None)]
+    address = servers[0].target.removeprefix("grpc://")
+    servers += [data_service.serve_worker(address, 0, "localhost") for _ in range(2)]
+    yield address
+    for server in reversed(servers):
+        server._stop()  # no public stop; the process would otherwise keep them
+
+
+def test_a_dataset_that_calls_python_is_named_with_what_to_use_instead():
+    with pytest.raises(cfg.ConfigError, match=r"task t calls Python through EagerPyFunc "
+                                              r"\(tf.py_function\).*set data.service = \"\""):
+        data_service.check_runnable(PythonNumbered()._examples(4), "t")
+    generated = tf.data.Dataset.from_generator(lambda: iter([1]), output_types=tf.int64)
+    with pytest.raises(cfg.ConfigError, match=r"PyFunc \(tf.numpy_function or "
+                                              r"Dataset.from_generator\)"):
+        data_service.check_runnable(generated, "t")
+    data_service.check_runnable(Numbered()._examples(4), "t")  # TensorFlow ops only
+
+
+@pytest.mark.parametrize("address", ["localhost", "host:port", ":5050"])
+def test_the_config_refuses_an_address_that_is_not_host_port(address):
+    with pytest.raises(cfg.ConfigError, match=rf"data.service = '{address}' is not a "
+                                              "dispatcher's host:port"):
+        cfg.load(overrides=[f"data.service={address}"])
+
+
+def test_an_unreachable_dispatcher_is_named_within_the_timeout():
+    address = f"localhost:{portpicker.pick_unused_port()}"
+    start = time.monotonic()
+    with pytest.raises(cfg.ConfigError, match=rf"no tf.data service dispatcher answers at "
+                                              rf"data.service = grpc://{address} within "
+                                              r"cluster.connect_timeout_s = 1 s"):
+        data_service.wait_for_dispatcher(f"grpc://{address}", 1, poll_s=0.2)
+    assert time.monotonic() - start < 5
+
+
+@pytest.mark.parametrize("kind", ["default", "mirrored"])
+def test_training_reads_every_example_once_through_the_service(tmp_path, dispatcher, kind,
+                                                                caplog):
+    caplog.set_level("INFO", logger="app.data_service")
+    examples, batch = 512, 16
+    config = cfg.load(overrides=[
+        "task.name=tests.numbered:Numbered", "train.epochs=2", "train.verbose=0",
+        f"train.global_batch_size={batch}", f"data.service={dispatcher}",
+        "eval.test_every_epoch=false"])
+    chosen = strategy.create("default") if kind == "default" else one_device_reduction_mirrored()
+    metrics = trainer.run(config, tmp_path / kind, strategy=chosen,
+                          task=Numbered(Params(examples=examples)))
+    # Two epochs of one pass each: the first epoch's examples once each (the
+    # epochs are one stream: the second reads the numbers after them), none lost.
+    assert f"training input from the tf.data service at {dispatcher}" in caplog.text
+    assert metrics["steps"] == 2 * examples // batch
+    assert metrics["visits_1"] == examples and metrics["visits_later"] == examples, metrics
+
+
+# -- end to end: a SIGKILL mid-epoch under launch.local --restart task -----------------
+
+EXAMPLES, BATCH = 16384, 16  # 1024 steps: the restarted task is back before the end
+
+
+def run_killed(tmp_path, victim: str, *args: str) -> tuple[str, dict]:
+    """One epoch of a chief, 2 workers and a ps, through a service of 2 tf.data workers;
+    `victim` SIGKILLed at step 200, relaunched alone; (output, metrics.json)."""
+    launcher = launching.launch(
+        "--workers", "2", "--ps", "1", "--restart", "task", "--data-workers", "2",
+        "--workdir", str(tmp_path / "run"), "--set", "task.name=tests.numbered:Numbered",
+        "--set", f"task.examples={EXAMPLES}", "--set", "train.epochs=1",
+        "--set", f"train.global_batch_size={BATCH}", "--set", "train.verbose=0",
+        "--set", "debug.log_every_steps=50", *args)
+    output, killed = launching.signal_at_step(launcher, "chief:0", 200, victim)
+    launcher.wait(timeout=60)
+    assert killed and launcher.returncode == 0, output[-4000:]
+    assert f"[launch] restart 1 of 3: {victim} alone" in output
+    return output, json.loads((tmp_path / "run" / "metrics.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", ["worker:1", "data_worker:0"])
+def test_a_killed_task_loses_only_its_batches_in_flight_and_repeats_none(tmp_path, victim):
+    output, metrics = run_killed(tmp_path, victim)
+    assert metrics["visits_2plus"] == 0, metrics
+    assert metrics["visits_0"] <= 0.02 * EXAMPLES, metrics  # what the victim held
+    assert metrics["visits_1"] + metrics["visits_0"] == EXAMPLES
