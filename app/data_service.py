@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import tensorflow as tf
 
+from app import chief_failure
 from app.cluster import reachable
 from app.config import ConfigError
 
@@ -49,6 +50,9 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 # TensorFlow's defaults (30 s heartbeats, a worker dropped after 10 min of silence)
 # would leave the splits a dead tf.data worker held unassigned for minutes.
 HEARTBEAT_MS, WORKER_TIMEOUT_MS = 1_000, 10_000
+# How long the lead training task's port stays closed before a watching service
+# task takes training to be over (a chief writing its export answers throughout).
+GONE_S = 60.0
 
 # Batches a trainer asks for ahead of its step (TensorFlow autotunes it otherwise,
 # to many): what a killed trainer loses, and all a step needs.
@@ -157,6 +161,30 @@ def serve_worker(dispatcher: str, port: int, host: str) -> service.WorkerServer:
         worker_address=f"{host}:%port%", heartbeat_interval_ms=HEARTBEAT_MS))
 
 
+def watch(lead: str, label: str, stop: threading.Event, gone_s: float = GONE_S,
+          poll_s: float = 1.0) -> int:
+    """Serve while the run's lead training task (the chief, or worker 0) is there; the
+    exit code. Under SLURM nothing else ends a tf.data service task: a job step
+    lasts until its every task has ended. The lead's port closed for `gone_s` (or
+    never open so long) means training is over: 0. A chief that failed for good
+    says so on its port (app/chief_failure.py): its exit code, as its ps and
+    workers exit."""
+    last_seen = time.monotonic()
+    while not stop.wait(poll_s):
+        answered, said = chief_failure.ask(lead, label)
+        if said is not None:
+            error = chief_failure.failed(lead, said, label)
+            log.error("%s", error)
+            return error.exit_code
+        if answered:
+            last_seen = time.monotonic()
+        elif time.monotonic() - last_seen > gone_s:
+            log.info("the training tasks' lead at %s has not answered for %g s: training is "
+                     "over; stopping", lead, gone_s)
+            return 0
+    return 0
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m app.data_service",
                                      description=__doc__.split("\n")[0])
@@ -171,6 +199,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     worker.add_argument("--host", default="localhost",
                         help="the name trainers reach this worker by (the dispatcher gives it "
                              "to them)")
+    for role in (dispatcher, worker):
+        role.add_argument("--watch", metavar="HOST:PORT",
+                          help="stop once the lead training task at HOST:PORT (the chief, "
+                               "or worker 0) is gone, or with its code if it failed for good; "
+                               "without it, serve until SIGTERM")
     return parser.parse_args(argv)
 
 
@@ -186,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
         server = serve_worker(args.dispatcher, args.port, args.host)
     log.info("serving: %s", server.target if args.role == "dispatcher"
              else f"a worker of the dispatcher at {args.dispatcher}")
+    if args.watch:
+        return watch(args.watch, args.role, stop)
     stop.wait()
     return 0
 

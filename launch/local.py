@@ -144,9 +144,11 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     lead = lead_task(args, tasks)
     synchronous = not args.ps
     failed = None
+    restarts: dict[str, int] = {}
     try:
         while lead.process.poll() is None and failed is None and not _TERMINATED.is_set():
             time.sleep(0.5)
+            relaunch_data(tasks, restarts)
             if synchronous:
                 failed = next((t for t in tasks if t.process.poll() not in (None, 0)), None)
     except KeyboardInterrupt:
@@ -191,6 +193,21 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         # The failed task's reason (a preempted worker's 204); a death by signal is 1.
         code = max(failed.process.returncode, 0) or 1
     return code, failed is not None
+
+
+def relaunch_data(tasks: list[Task], restarts: dict[str, int]) -> None:
+    """Relaunch alone each tf.data service task that failed, up to TASK_RESTARTS times:
+    it holds no training state (a dispatcher resumes from its journal), so the
+    trainers need not stop for it. A task out of restarts stays dead: the trainers
+    then read from the tf.data workers left, or stop on the service's error."""
+    for i, task in enumerate(tasks):
+        code = task.process.poll()
+        if not task.serves_data or code in (None, 0) or restarts.get(task.label) == TASK_RESTARTS:
+            continue
+        restarts[task.label] = restarts.get(task.label, 0) + 1
+        announce(f"{task.label} exited with {exit_text(code)}; restart "
+                 f"{restarts[task.label]} of {TASK_RESTARTS}: {task.label} alone")
+        tasks[i] = task.again()
 
 
 def lead_task(args: argparse.Namespace, tasks: list[Task]) -> Task:

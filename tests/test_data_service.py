@@ -4,14 +4,16 @@ of a parameter-server run sees when a trainer or a tf.data worker is SIGKILLed.
 The examples are numbered (tests/numbered.py): metrics.json counts their visits."""
 
 import json
+import socket
+import threading
 import time
 
 import portpicker
 import pytest
 import tensorflow as tf
 
+from app import chief_failure, data_service, strategy, trainer
 from app import config as cfg
-from app import data_service, strategy, trainer
 from tests import launching
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import Numbered, Params, PythonNumbered
@@ -105,3 +107,18 @@ def test_a_killed_task_loses_only_its_batches_in_flight_and_repeats_none(tmp_pat
     assert metrics["visits_2plus"] == 0, metrics
     assert metrics["visits_0"] <= 0.02 * EXAMPLES, metrics  # what the victim held
     assert metrics["visits_1"] + metrics["visits_0"] == EXAMPLES
+
+
+def test_a_watching_service_task_stops_when_the_lead_is_gone_or_failed():
+    stop = threading.Event()
+    nobody = f"localhost:{portpicker.pick_unused_port()}"
+    assert data_service.watch(nobody, "dispatcher", stop, gone_s=0.5, poll_s=0.1) == 0
+    with socket.create_server(("localhost", 0)) as chief:  # a chief that failed, exit 2
+        def tell():
+            connection, _ = chief.accept()
+            with connection:
+                connection.sendall(f"{chief_failure.MAGIC} 2 error: a finished run\n".encode())
+                connection.recv(100)
+        threading.Thread(target=tell, daemon=True).start()
+        address = f"localhost:{chief.getsockname()[1]}"
+        assert data_service.watch(address, "dispatcher", stop, gone_s=30, poll_s=0.1) == 2

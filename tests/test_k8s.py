@@ -12,7 +12,7 @@ import signal
 import pytest
 import yaml
 
-from app import chief_failure, memory, preemption, strategy, train
+from app import chief_failure, data_service, memory, preemption, strategy, train
 from app import cluster as clusters
 from app import config as cfg
 
@@ -250,9 +250,13 @@ def test_the_restart_policy_retries_exactly_the_exits_a_restart_can_fix(manifest
 
 def test_the_workdir_claim_and_network_policies_are_well_formed():
     kinds = {name: load(name)["kind"] for name in MANIFESTS}
-    assert set(kinds.values()) == {"TFJob", "PersistentVolumeClaim", "NetworkPolicy"}, kinds
-    for name, kind in kinds.items():
-        doc = load(name)
+    assert set(kinds.values()) == {"TFJob", "PersistentVolumeClaim", "NetworkPolicy",
+                                   "List"}, kinds
+    docs = [(name, load(name)) for name in MANIFESTS if kinds[name] != "List"]
+    docs += [(name, item) for name in MANIFESTS if kinds[name] == "List"
+             for item in load(name)["items"] if item["kind"] == "NetworkPolicy"]
+    for name, doc in docs:
+        kind = doc["kind"]
         assert DNS_LABEL.match(doc["metadata"]["name"]), name
         if kind == "PersistentVolumeClaim":
             assert doc["apiVersion"] == "v1"
@@ -268,3 +272,50 @@ def test_the_workdir_claim_and_network_policies_are_well_formed():
                 assert set(rule) <= {"from", "ports"}, name
                 for p in rule["ports"]:
                     assert p["protocol"] in ("TCP", "UDP", "SCTP") and 0 < p["port"] < 65536
+
+
+# -- the tf.data service beside the TFJob ---------------------------------------------
+
+
+def test_the_data_service_serves_the_tfjob_and_ends_with_its_chief(tfjob_validator):
+    """data-service-ps.yaml: a Service for the dispatcher, Jobs for the dispatcher and
+    the tf.data workers, whose arguments app.data_service takes, pointing at each
+    other, at the TFJob's chief and workdir; the TFJob reading from it still
+    validates, and its config loads."""
+    items = {item["metadata"]["name"]: item for item in load("data-service-ps.yaml")["items"]}
+    kinds = {name: (item["apiVersion"], item["kind"]) for name, item in items.items()}
+    assert kinds == {"mnist-ps-data": ("v1", "Service"),
+                     "mnist-ps-data-dispatcher": ("batch/v1", "Job"),
+                     "mnist-ps-data-worker": ("batch/v1", "Job"),
+                     "mnist-ps-data-ports": ("networking.k8s.io/v1", "NetworkPolicy")}
+    service, dispatcher, worker = (items[n] for n in ("mnist-ps-data", "mnist-ps-data-dispatcher",
+                                                      "mnist-ps-data-worker"))
+    job = load("tfjob-ps.yaml")
+    chief = f"{job['metadata']['name']}-chief-0:{port(job['spec']['tfReplicaSpecs']['Chief'])}"
+    workdir = container(job["spec"]["tfReplicaSpecs"]["Chief"])["args"]
+    workdir = workdir[workdir.index("--workdir") + 1]
+    (service_port,) = service["spec"]["ports"]
+    address = f"{service['metadata']['name']}:{service_port['port']}"
+    pod = dispatcher["spec"]["template"]
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    (run,) = pod["spec"]["containers"]
+    args = data_service.parse_args(run["args"])
+    assert (args.role, args.port, args.watch) == ("dispatcher", service_port["targetPort"], chief)
+    assert args.work_dir.startswith(workdir + "/")
+    (run,) = worker["spec"]["template"]["spec"]["containers"]
+    args = data_service.parse_args(run["args"])
+    assert (args.role, args.dispatcher, args.watch) == ("worker", address, chief)
+    assert args.host == "$(POD_IP)" and [e["name"] for e in run["env"]] == ["POD_IP"]
+    for item in (dispatcher, worker):
+        spec = item["spec"]["template"]["spec"]
+        assert spec["restartPolicy"] == "OnFailure"  # in place: a worker keeps its pod IP
+        assert spec["volumes"] == job["spec"]["tfReplicaSpecs"]["Chief"]["template"]["spec"][
+            "volumes"]
+    # Every replica of the TFJob told where the dispatcher is.
+    for _, _, spec in pods(job):
+        container(spec)["args"] += ["--set", f"data.service={address}"]
+        args = container(spec)["args"]
+        config = cfg.load(str(K8S.parent.parent / args[args.index("--config") + 1]),
+                          [a for i, a in enumerate(args) if i and args[i - 1] == "--set"])
+        assert config.data.service == address
+    assert schema_errors(tfjob_validator, job) == []

@@ -62,9 +62,10 @@ def run_sbatch(tmp_path: pathlib.Path, extra_env: dict[str, str]) -> list[dict]:
         "for ((r = 0; r < SLURM_NTASKS; r++)); do SLURM_PROCID=$r \"$@\" || exit 1; done\n")
     (fake / "srun").chmod(0o755)
     environment = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "TF_"))}
-    environment.update(PATH=f"{fake}:{environment['PATH']}", PYTHON=sys.executable,
-                       SLURM_JOB_ID="42", SLURM_NTASKS="4", SLURM_STEP_NODELIST="n[1-4]",
-                       SLURM_STEP_TASKS_PER_NODE="1(x4)", **extra_env)
+    environment.update({"PATH": f"{fake}:{environment['PATH']}", "PYTHON": sys.executable,
+                        "SLURM_JOB_ID": "42", "SLURM_NTASKS": "4",
+                        "SLURM_STEP_NODELIST": "n[1-4]", "SLURM_STEP_TASKS_PER_NODE": "1(x4)",
+                        **extra_env})
     result = subprocess.run(["bash", str(ROOT / "launch/slurm/train.sbatch"), "--dry-run"],
                             cwd=ROOT, env=environment, capture_output=True, text=True,
                             timeout=120)
@@ -103,6 +104,32 @@ def test_sbatch_synchronous_roles(tmp_path):
     assert [(c.task_type, c.task_index, c.is_chief) for c in seen] == [
         ("worker", i, i == 0) for i in range(4)]
     assert {train.role(c) for c in seen} == {"train"}
+
+
+def test_sbatch_gives_the_last_tasks_to_the_data_service(tmp_path):
+    ranks = run_sbatch(tmp_path, {"DATA_WORKERS": "2", "SLURM_NTASKS": "7",
+                                  "SLURM_STEP_NODELIST": "n[1-7]",
+                                  "SLURM_STEP_TASKS_PER_NODE": "1(x7)"})
+    trainers, service = ranks[:4], ranks[4:]
+    assert [r["TF_CONFIG"]["cluster"] for r in trainers] == [{
+        "chief": ["n1:2222"], "ps": ["n2:2222"], "worker": ["n3:2222", "n4:2222"]}] * 4
+    for rank in trainers:
+        assert "data.service=n5:2222" in rank["command"]
+    workdir = str(ROOT / "runs/slurm-42")
+    assert [r["TF_CONFIG"] for r in service] == [None] * 3
+    assert [r["command"] for r in service] == [
+        ["-m", "app.data_service", "dispatcher", "--port", "2222", "--work-dir",
+         f"{workdir}/data_service", "--watch", "n1:2222"],
+        *[["-m", "app.data_service", "worker", "--dispatcher", "n5:2222", "--port", "2222",
+           "--host", host, "--watch", "n1:2222"] for host in ("n6", "n7")]]
+
+
+def test_too_few_tasks_for_the_data_service_is_an_error(capsys, monkeypatch):
+    monkeypatch.setattr(os, "environ", {"SLURM_PROCID": "0", "SLURM_STEP_NODELIST": "n[1-3]",
+                                        "SLURM_STEP_TASKS_PER_NODE": "1(x3)"})
+    assert slurm.main(["--data-workers", "2", "--workdir", "w", "--dry-run"]) == 2
+    assert "--data-workers 2 needs 3 SLURM tasks for the service besides the training " \
+           "tasks, the step has 3" in capsys.readouterr().err
 
 
 def sbatch_options() -> dict[str, str]:

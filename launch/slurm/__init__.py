@@ -11,7 +11,9 @@ address order:
 
 - with `--ps N` (N > 0): rank 0 is the chief, ranks 1..N the ps tasks, the
   rest workers (parameter-server training);
-- with `--ps 0`: every rank is a worker (synchronous training; rank 0 writes).
+- with `--ps 0`: every rank is a worker (synchronous training; rank 0 writes);
+- with `--data-workers N`, the last N + 1 ranks are not TF tasks but the
+  tf.data service (app/data_service.py): its dispatcher, then N tf.data workers.
 
 TensorFlow's `SlurmClusterResolver` does the same mapping, but it cannot run
 on CPU-only nodes: with no GPU it computes `range(0, 0, 0)` and fails
@@ -83,8 +85,8 @@ def _check_block_distribution(env: Mapping[str, str], rank: int, addresses: list
                          f"{addresses[rank]}: run srun with --distribution=block")
 
 
-def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
-    """The TF_CONFIG of the SLURM task described by `env`."""
+def addresses_of(env: Mapping[str, str], port: int) -> tuple[int, list[str]]:
+    """(this task's rank, every task's host:port in rank order)."""
     rank = int(_var(env, "SLURM_PROCID"))
     hosts = hostnames(_var(env, "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST"))
     counts = tasks_per_node(_var(env, "SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"))
@@ -95,6 +97,42 @@ def tf_config(env: Mapping[str, str], num_ps: int, port: int) -> dict:
     addresses = [f"{host}:{port + i}" for host, n in zip(hosts, counts, strict=True)
                  for i in range(n)]
     _check_block_distribution(env, rank, addresses, hosts, port)
+    return rank, addresses
+
+
+def data_service(env: Mapping[str, str], port: int, data_workers: int,
+                 workdir: str) -> tuple[str, list[str] | None]:
+    """With `data_workers` N: the last N + 1 ranks are the tf.data service, its
+    dispatcher and then its N tf.data workers. (The dispatcher's host:port, this
+    task's `app.data_service` arguments or None for a training task.)"""
+    rank, addresses = addresses_of(env, port)
+    if len(addresses) < data_workers + 2:
+        raise SlurmError(f"--data-workers {data_workers} needs {data_workers + 1} SLURM tasks "
+                         f"for the service besides the training tasks, the step has "
+                         f"{len(addresses)}; ask sbatch for more tasks (--ntasks)")
+    first = len(addresses) - data_workers - 1
+    dispatcher = addresses[first]
+    if rank < first:
+        return dispatcher, None
+    # Rank 0 leads training (the chief, or worker 0): the service ends with it.
+    if rank == first:
+        return dispatcher, ["dispatcher", "--port", str(port_of(dispatcher)),
+                            "--work-dir", f"{workdir}/data_service", "--watch", addresses[0]]
+    own = addresses[rank]
+    return dispatcher, ["worker", "--dispatcher", dispatcher, "--port", str(port_of(own)),
+                        "--host", own.rpartition(":")[0], "--watch", addresses[0]]
+
+
+def port_of(address: str) -> int:
+    return int(address.rpartition(":")[2])
+
+
+def tf_config(env: Mapping[str, str], num_ps: int, port: int, data_workers: int = 0) -> dict:
+    """The TF_CONFIG of the SLURM task described by `env`; the last `data_workers` + 1
+    ranks (the tf.data service, if any) are not in its cluster."""
+    rank, addresses = addresses_of(env, port)
+    if data_workers:
+        addresses = addresses[:len(addresses) - data_workers - 1]
     if num_ps and len(addresses) < num_ps + 2:
         raise SlurmError(f"--ps {num_ps} needs at least {num_ps + 2} SLURM tasks (a chief, "
                          f"the ps tasks and a worker), the step has {len(addresses)}; "
@@ -138,19 +176,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", type=int, default=1, help="parameter servers (0: synchronous)")
     parser.add_argument("--port", type=int, default=2222,
                         help="gRPC port of each node's first task; the others' follow it")
+    parser.add_argument("--data-workers", type=int, default=0, metavar="N",
+                        help="the last N + 1 tasks run a tf.data service (a dispatcher, N "
+                             "tf.data workers) that the others read their training input from")
     parser.add_argument("--dry-run", action="store_true",
                         help="print TF_CONFIG and the command instead of running it")
     args, train_args = parser.parse_known_args(argv)
     try:
-        config = tf_config(os.environ, args.ps, args.port)
+        service, config = None, None
+        if args.data_workers:
+            workdir = train_args[train_args.index("--workdir") + 1]
+            dispatcher, service = data_service(os.environ, args.port, args.data_workers,
+                                               workdir)
+            train_args = [*train_args, "--set", f"data.service={dispatcher}"]
+        if service is None:
+            config = tf_config(os.environ, args.ps, args.port, args.data_workers)
     except SlurmError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    command = [sys.executable, "-m", "app.train",
-               *thread_settings(os.environ, config, train_args), *train_args]
+    if service is not None:
+        command = [sys.executable, "-m", "app.data_service", *service]
+    else:
+        command = [sys.executable, "-m", "app.train",
+                   *thread_settings(os.environ, config, train_args), *train_args]
     if args.dry_run:
         print(json.dumps({"TF_CONFIG": config, "command": command[1:]}))
         return 0
-    os.environ["TF_CONFIG"] = json.dumps(config)
+    if config is not None:
+        os.environ["TF_CONFIG"] = json.dumps(config)
     os.execv(sys.executable, command)
     return 0  # not reached
