@@ -54,8 +54,8 @@ HEARTBEAT_MS, WORKER_TIMEOUT_MS = 1_000, 10_000
 # task takes training to be over (a chief writing its export answers throughout).
 GONE_S = 60.0
 
-# Batches a trainer asks for ahead of its step (TensorFlow autotunes it otherwise,
-# to many): what a killed trainer loses, and all a step needs.
+# Batches a trainer asks for ahead of its step: enough to hide a fetch, and a bound
+# on what a killed trainer had fetched (TensorFlow's default autotunes it).
 MAX_OUTSTANDING_REQUESTS = 2
 
 # Ops a tf.data worker cannot run: they call back into the Python of the process
@@ -74,7 +74,7 @@ def wait_for_dispatcher(address: str, timeout_s: float, poll_s: float = 0.5) -> 
     while not reachable(target):
         if time.monotonic() >= deadline:
             raise ConfigError(
-                f"no tf.data service dispatcher answers at data.service = {address} within "
+                f"no tf.data service dispatcher answers at data.service = {target} within "
                 f"cluster.connect_timeout_s = {timeout_s:g} s; start it (python -m "
                 "app.data_service dispatcher, or launch.local --data-workers N), fix the "
                 "address, or set data.service = \"\" to read input in the trainers")

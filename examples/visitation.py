@@ -5,9 +5,9 @@ one epoch of 16,384 numbered examples, batches of 16, a task SIGKILLed once the
 chief (or worker 0) has logged step 200. metrics.json counts how many of the
 epoch's examples were trained on 0, 1 and 2+ times, and how many examples of the
 next epoch were read early. Parameter servers relaunch the dead task alone
-(`--restart task`); MultiWorkerMirrored relaunches the job, which resumes from
-its step-level backup (`--restart job --max-restarts 1`, checkpoint every 50
-steps); tf.data service tasks are relaunched alone under both.
+(`--restart task`); MultiWorkerMirrored relaunches the job (`--restart job
+--max-restarts 1`); a restarted chief or job resumes from its step-level backup,
+saved every 50 steps; tf.data service tasks are relaunched alone under both.
 
     python examples/visitation.py                   # every case, ~15 min on 2 cores
     python examples/visitation.py --out docs/visitation.json
@@ -28,12 +28,14 @@ from tests import launching  # noqa: E402
 
 EXAMPLES, BATCH, KILL_AT = 16384, 16, 200
 CLUSTERS = {
-    "parameter servers": ["--workers", "2", "--ps", "1", "--restart", "task"],
+    "parameter servers": ["--workers", "2", "--ps", "1", "--restart", "task",
+                          "--set", "checkpoint.every_steps=50"],
     "MultiWorkerMirrored": ["--workers", "2", "--ps", "0", "--restart", "job",
                             "--max-restarts", "1", "--set", "checkpoint.every_steps=50"],
 }
 # (what dies, its task, whether the case needs the service)
 FAILURES = [("nothing", None, False), ("a trainer", "worker:1", False),
+            ("the chief (resumes from its backup)", "chief:0", False),
             ("a tf.data worker", "data_worker:0", True),
             ("the dispatcher (restarted on its work_dir)", "dispatcher:0", True)]
 
@@ -59,14 +61,33 @@ def run(cluster: str, victim: str | None, service: bool, workdir: pathlib.Path) 
             **{k: v for k, v in metrics.items() if k.startswith("visits_")}}
 
 
+def table(rows: list[dict]) -> str:
+    """The rows as docs/data_service.md shows them."""
+    lines = ["| cluster | SIGKILLed | tf.data service | seen 0 times | once | 2+ times | "
+             "read from the next epoch |", "|---|---|---|---|---|---|---|"]
+    for row in rows:
+        counts = ([f"{row[k]:,}" for k in ("visits_0", "visits_1", "visits_2plus",
+                                           "visits_later")]
+                  if "visits_0" in row else [f"exit {row['exit_code']}", "", "", ""])
+        lines.append(f"| {row['cluster']} | {row['killed']} | "
+                     f"{'on' if row['service'] else 'off'} | {' | '.join(counts)} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="runs/visitation.json")
+    parser.add_argument("--table", metavar="JSON", help="print the table of an earlier run")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(json.loads(pathlib.Path(args.table).read_text())["rows"]))
+        return 0
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for cluster in CLUSTERS:
             for failure, victim, needs_service in FAILURES:
+                if victim == "chief:0" and cluster != "parameter servers":
+                    continue  # MultiWorkerMirrored has no chief: a trainer's row says it
                 for service in ((True,) if needs_service else (False, True)):
                     workdir = pathlib.Path(tmp) / f"run{len(rows)}"
                     row = {"cluster": cluster, "killed": failure, "service": service,
@@ -79,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         argv if argv is not None else sys.argv[1:]), "date": datetime.date.today().isoformat(),
         "examples": EXAMPLES, "batch": BATCH, "kill_at_step": KILL_AT, "rows": rows},
         indent=1) + "\n")
+    print(table(rows))
     print(f"wrote {out}")
     return 0
 

@@ -24,6 +24,13 @@ relaunching.
     python -m launch.local --workers 2 --ps 1 --restart task --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 2 --memory-limit-gib 4 --config configs/mnist_ps.toml
 
+With `--data-workers N` the training input runs in a tf.data service: a
+dispatcher (journaling in the workdir) and N tf.data workers, processes of
+their own started before the trainers and stopped after the lead; each is
+relaunched alone if it dies (app/data_service.py, docs/data_service.md):
+
+    python -m launch.local --workers 2 --ps 1 --data-workers 2 --config configs/mnist_ps.toml
+
 With `--memory-limit-gib` (or runtime.memory_limit_gib in the config) the
 launcher first runs `app.plan`'s memory check of the cluster shape and starts
 nothing if a task's predicted peak exceeds the limit (exit 2).

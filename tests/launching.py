@@ -49,10 +49,24 @@ def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[
 def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim: str,
                    sig: int = signal.SIGKILL) -> tuple[str, bool]:
     """Send `sig` to `victim` once task `reporter` has logged step `step` or later."""
-    def reached(line: str) -> bool:
+    output, sent = signal_at_steps(launcher, reporter, {step: victim}, sig)
+    return output, bool(sent)
+
+
+def signal_at_steps(launcher: subprocess.Popen, reporter: str, victims: dict[int, str],
+                    sig: int = signal.SIGKILL) -> tuple[str, int]:
+    """Send `sig` to each of `victims` ({step: task}) once task `reporter` has logged
+    that step or later. (all output, how many were sent)"""
+    lines, pids, due = [], {"launch": launcher.pid}, dict(sorted(victims.items()))
+    for line in launcher.stdout:
+        lines.append(line)
+        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
+            pids[started[1]] = int(started[2])
         m = STEP.match(line.rstrip("\n"))
-        return bool(m) and m[1] == reporter and int(m[2]) >= step
-    return signal_when(launcher, reached, victim, sig)
+        if m and m[1] == reporter:
+            for step in [s for s in due if s <= int(m[2])]:
+                os.kill(pids[due.pop(step)], sig)
+    return "".join(lines), len(victims) - len(due)
 
 
 def steps_reported(output: str, task: str) -> list[int]:

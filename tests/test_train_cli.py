@@ -77,7 +77,7 @@ def test_mirrored_on_two_logical_cpus(tmp_path):
      None, "error: data.service: the training dataset of task tests.numbered:PythonNumbered "
            "calls Python through EagerPyFunc (tf.py_function)"),
     (["--set", "data.service=localhost:1", "--set", "cluster.connect_timeout_s=2"], None,
-     "error: no tf.data service dispatcher answers at data.service = grpc://localhost:1 "
+     "error: no tf.data service dispatcher answers at data.service = localhost:1 "
      "within cluster.connect_timeout_s = 2 s"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
