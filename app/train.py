@@ -8,6 +8,7 @@ config, reads the cluster, dispatches on this task's role and calls
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import os
@@ -64,7 +65,7 @@ def role(cluster: clusters.Cluster | None) -> str:
 
 
 def exit_now(code: int) -> typing.NoReturn:
-    """End a serving task at once (os._exit), its streams flushed.
+    """End a task at once (os._exit), its streams flushed.
 
     Its TF server cannot be stopped, and at the interpreter's exit the server's
     threads can hold the process up: a ps that had served a chief killed
@@ -118,6 +119,25 @@ def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     exit_now(0)
 
 
+def lost(cluster: clusters.Cluster | None, code: int) -> int:
+    """`code`, the exit code of a `TaskLost` (203) or `Preempted` (204) handled
+    already; a parameter-server chief that lost a task exits with 203 at once.
+
+    A chief that lost a ps went on, at the interpreter's exit, calling it for
+    seconds (and the ps restarted on its port: "Unable to find a context_id ...
+    Perhaps the worker was restarted"), the coordinator's threads still running:
+    in a full `make test` on a loaded machine one such chief printed its error
+    and no exit with 203 followed, as the chief whose ps ran out of memory
+    segfaulted there (main, below). Its garbage is collected first, as at a
+    normal exit: a summary writer deleted flushes TensorBoard's events (in the
+    runs that showed this, the first chief's epoch-1 events were there either way).
+    """
+    if not (chief_failure.applies(cluster) and code == clusters.TaskLost.exit_code):
+        return code
+    gc.collect()
+    exit_now(code)
+
+
 def failed(cluster: clusters.Cluster | None, config: cfg.Config | None, code: int,
            reason: str) -> int:
     """`code`, once a parameter-server chief has told its ps and worker tasks that it
@@ -130,7 +150,7 @@ def failed(cluster: clusters.Cluster | None, config: cfg.Config | None, code: in
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
-    label, cluster, config = "local", None, None
+    label, cluster, config, lost_code = "local", None, None, 0
     try:
         config = cfg.load(args.config, overrides)
         cluster = clusters.read()
@@ -170,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return failed(cluster, config, 2, str(e))
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
-        return e.exit_code
+        lost_code = e.exit_code  # left outside this block: its traceback holds the run
     except Exception as e:
         if not memory.is_out_of_memory(e):
             if not chief_failure.applies(cluster):
@@ -182,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         # At once: a chief whose ps ran out returned from here into a segfault (-11)
         # at the interpreter's exit, its cluster's threads still running.
         exit_now(memory.EXIT_CODE)
+    if lost_code:
+        return lost(cluster, lost_code)
     print(trainer.summary_line(metrics))
     return 0
 
