@@ -113,6 +113,7 @@ class FakeTask:
 
     def __init__(self, label: str, codes: list[int], started: list[str]):
         self.label, self.job, self.codes, self.started = label, label.split(":")[0], codes, started
+        self.serves_data = self.job in ("dispatcher", "data_worker")
         self.returncode = codes.pop(0) if codes else None  # None: runs until stopped
         self.process = self
         started.append(label)
@@ -146,6 +147,20 @@ def test_restart_alone_relaunches_each_failed_task_up_to_the_limit(ps_codes, max
     stopped = threading.Event()
     assert tasks.restart_alone([ps, chief], chief, max_restarts, stopped) == result
     assert seen == started
+
+
+def test_a_tf_data_service_task_is_relaunched_alone_and_stopped_after_the_lead():
+    seen = []
+    data_worker = FakeTask("data_worker:0", [-9, None], seen)
+    chief = FakeTask("chief:0", [None], seen)
+    running = [data_worker, chief]
+    restarts = {}
+    local.relaunch_data(running, restarts)  # under --restart job: not the trainers' business
+    assert seen == ["data_worker:0", "chief:0", "data_worker:0"] and restarts == {
+        "data_worker:0": 1}
+    chief.returncode = 0
+    assert tasks.restart_alone(running, chief, 3, threading.Event()) == 0
+    assert running[0].returncode == PREEMPTED  # SIGTERM, once the chief had finished
 
 
 def test_restart_alone_does_not_retry_a_configuration_error():
