@@ -51,7 +51,8 @@ DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
 # would leave the splits a dead tf.data worker held unassigned for minutes.
 HEARTBEAT_MS, WORKER_TIMEOUT_MS = 1_000, 10_000
 # How long the lead training task's port stays closed before a watching service
-# task takes training to be over (a chief writing its export answers throughout).
+# task takes training to be over (a chief writing its export answers throughout;
+# SLURM restarts no task inside a job).
 GONE_S = 60.0
 
 # Batches a trainer asks for ahead of its step: enough to hide a fetch, and a bound
@@ -204,6 +205,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                           help="stop once the lead training task at HOST:PORT (the chief, "
                                "or worker 0) is gone, or with its code if it failed for good; "
                                "without it, serve until SIGTERM")
+        role.add_argument("--gone-s", type=float, default=GONE_S, metavar="SECONDS",
+                          help="with --watch: how long the lead's port must stay closed "
+                               f"(default {GONE_S:g}; longer where a restarted lead takes "
+                               "longer to come back, as a rescheduled pod may)")
     return parser.parse_args(argv)
 
 
@@ -220,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     log.info("serving: %s", server.target if args.role == "dispatcher"
              else f"a worker of the dispatcher at {args.dispatcher}")
     if args.watch:
-        return watch(args.watch, args.role, stop)
+        return watch(args.watch, args.role, stop, gone_s=args.gone_s)
     stop.wait()
     return 0
 

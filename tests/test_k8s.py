@@ -301,10 +301,12 @@ def test_the_data_service_serves_the_tfjob_and_ends_with_its_chief(tfjob_validat
     (run,) = pod["spec"]["containers"]
     args = data_service.parse_args(run["args"])
     assert (args.role, args.port, args.watch) == ("dispatcher", service_port["targetPort"], chief)
+    assert args.gone_s >= 300  # a restarted chief pod is back well within it
     assert args.work_dir.startswith(workdir + "/")
     (run,) = worker["spec"]["template"]["spec"]["containers"]
     args = data_service.parse_args(run["args"])
-    assert (args.role, args.dispatcher, args.watch) == ("worker", address, chief)
+    assert (args.role, args.dispatcher, args.watch, args.gone_s) == ("worker", address, chief,
+                                                                    600)
     assert args.host == "$(POD_IP)" and [e["name"] for e in run["env"]] == ["POD_IP"]
     for item in (dispatcher, worker):
         spec = item["spec"]["template"]["spec"]
