@@ -71,7 +71,7 @@ def measure(stage: str, rounds: int, batch: int, seconds: float, service: str) -
             step(*batch_)
     steps, waited = 0, 0.0
     start = time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    while time.perf_counter() - start < seconds:
         before = time.perf_counter()
         batch_ = next(iterator)
         waited += time.perf_counter() - before

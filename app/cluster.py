@@ -18,14 +18,12 @@ import time
 import typing
 from typing import Any
 
-from app.config import ConfigError
+from app.config import ConfigError, is_address
 
 ENV = "TF_CONFIG"
 JOBS = ("chief", "worker", "ps", "evaluator")
 _EXAMPLE = ('{"cluster": {"worker": ["host0:2222", "host1:2222"]}, '
             '"task": {"type": "worker", "index": 0}}')
-# host:port where host is a name, an IPv4 address or a bracketed IPv6 address.
-_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
 
 
 class ClusterError(ConfigError):
@@ -182,8 +180,7 @@ def _parse_jobs(cluster: dict[str, Any]) -> dict[str, tuple[str, ...]]:
 
 
 def _check_address(where: str, addr: Any) -> None:
-    match = _ADDRESS.match(addr) if isinstance(addr, str) else None
-    if not match or not 0 < int(match.group(2)) < 65536:
+    if not (isinstance(addr, str) and is_address(addr)):
         raise ClusterError(
             f"{ENV} {where} = {json.dumps(addr)} is not \"host:port\" with a port in "
             "1..65535 (e.g. \"10.0.0.1:2222\")")
@@ -210,28 +207,31 @@ def _parse_task(task: dict[str, Any], jobs: dict[str, tuple[str, ...]]) -> tuple
     return task_type, index
 
 
-def unreachable(cluster: Cluster, jobs: tuple[str, ...]) -> dict[str, str]:
-    """{"ps:0": address} for each task of `jobs` that does not accept connections."""
-    return {f"{job}:{i}": address for job in jobs
-            for i, address in enumerate(cluster.jobs.get(job, ())) if not reachable(address)}
+def wait_until_reachable(addresses: typing.Mapping[str, str], timeout_s: float,
+                         poll_s: float = 0.5) -> dict[str, str]:
+    """Wait up to `timeout_s` for every {name: host:port} to accept connections; those
+    that still do not, or {} once all do. (TensorFlow itself would wait without end.)"""
+    deadline = time.monotonic() + timeout_s
+    while missing := {name: a for name, a in addresses.items() if not reachable(a)}:
+        if time.monotonic() >= deadline:
+            return missing
+        time.sleep(poll_s)
+    return {}
 
 
 def wait_for_tasks(cluster: Cluster, timeout_s: float, jobs: tuple[str, ...],
                    poll_s: float = 0.5) -> None:
-    """Return once every task of `jobs` accepts connections; else ClusterError.
-
-    TensorFlow itself would wait without end ("CreateSession still waiting for
-    response from worker"); this names the tasks that never answered.
-    """
-    deadline = time.monotonic() + timeout_s
-    while missing := unreachable(cluster, jobs):
-        if time.monotonic() >= deadline:
-            tasks = ", ".join(f"{task} at {address}" for task, address in missing.items())
-            raise ClusterError(
-                f"no answer within cluster.connect_timeout_s = {timeout_s:g} s from {tasks}; "
-                "start those tasks (python -m app.train with their TF_CONFIG), check the "
-                "addresses in TF_CONFIG, or raise cluster.connect_timeout_s")
-        time.sleep(poll_s)
+    """Return once every task of `jobs` accepts connections; else ClusterError naming
+    the tasks that never answered (TensorFlow: "CreateSession still waiting for
+    response from worker")."""
+    tasks = {f"{job}:{i}": address for job in jobs
+             for i, address in enumerate(cluster.jobs.get(job, ()))}
+    if missing := wait_until_reachable(tasks, timeout_s, poll_s):
+        tasks = ", ".join(f"{task} at {address}" for task, address in missing.items())
+        raise ClusterError(
+            f"no answer within cluster.connect_timeout_s = {timeout_s:g} s from {tasks}; "
+            "start those tasks (python -m app.train with their TF_CONFIG), check the "
+            "addresses in TF_CONFIG, or raise cluster.connect_timeout_s")
 
 
 def connect(address: str, timeout_s: float = 1.0) -> socket.socket:

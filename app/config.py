@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -19,6 +20,16 @@ import tomllib
 # The smallest runtime.memory_limit_gib: TensorFlow's import alone holds 0.6 GiB
 # resident (app/memory.py), and a task builds a model and a batch besides.
 MIN_MEMORY_LIMIT_GIB = 1.0
+
+
+# host:port where host is a name, an IPv4 address or a bracketed IPv6 address.
+_ADDRESS = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})$")
+
+
+def is_address(text: str) -> bool:
+    """Whether `text` is host:port with a port in 1..65535 (TF_CONFIG's, data.service's)."""
+    match = _ADDRESS.match(text)
+    return bool(match) and 0 < int(match.group(2)) < 65536
 
 
 class ConfigError(ValueError):
@@ -323,7 +334,7 @@ def validate(config: Config) -> None:
             "a task needs to start TensorFlow at all (app/memory.py); give at least "
             f"{MIN_MEMORY_LIMIT_GIB:g}, or 0 for no limit")
     address = config.data.service.removeprefix("grpc://")
-    if address and not (address.rpartition(":")[0] and address.rpartition(":")[2].isdigit()):
+    if address and not is_address(address):
         raise ConfigError(f"data.service = {config.data.service!r} is not a dispatcher's "
                           "host:port (e.g. localhost:5050); set it to the address of `python "
                           "-m app.data_service dispatcher`, or to \"\" to read input in the "

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from app import chief_failure
-from app.cluster import reachable
+from app.cluster import wait_until_reachable
 from app.config import ConfigError
 
 log = logging.getLogger(__name__)
@@ -71,15 +71,12 @@ def wait_for_dispatcher(address: str, timeout_s: float, poll_s: float = 0.5) -> 
 
     TensorFlow itself would retry without end when registering a dataset."""
     target = address.removeprefix("grpc://")
-    deadline = time.monotonic() + timeout_s
-    while not reachable(target):
-        if time.monotonic() >= deadline:
-            raise ConfigError(
-                f"no tf.data service dispatcher answers at data.service = {target} within "
-                f"cluster.connect_timeout_s = {timeout_s:g} s; start it (python -m "
-                "app.data_service dispatcher, or launch.local --data-workers N), fix the "
-                "address, or set data.service = \"\" to read input in the trainers")
-        time.sleep(poll_s)
+    if wait_until_reachable({"dispatcher": target}, timeout_s, poll_s):
+        raise ConfigError(
+            f"no tf.data service dispatcher answers at data.service = {target} within "
+            f"cluster.connect_timeout_s = {timeout_s:g} s; start it (python -m "
+            "app.data_service dispatcher, or launch.local --data-workers N), fix the "
+            "address, or set data.service = \"\" to read input in the trainers")
 
 
 def python_ops(dataset: tf.data.Dataset) -> list[str]:
@@ -111,7 +108,7 @@ class Reader:
     """
 
     def __init__(self, address: str, run_key: str, task_name: str, timeout_s: float):
-        self.address = address if "://" in address else f"grpc://{address}"
+        self.address = address  # [grpc://]host:port: TensorFlow's protocol is grpc by default
         self.job = "train-" + hashlib.sha256(run_key.encode()).hexdigest()[:16]
         self.task_name, self.timeout_s = task_name, timeout_s
         self._registered: tuple[tf.Tensor, tf.TensorSpec] | None = None
@@ -139,7 +136,7 @@ class Reader:
                                                       dataset_id=self.job)
                 self._registered = dataset_id, dataset.element_spec
             log.info("training input from the tf.data service at %s, job %s (dynamic "
-                     "sharding)", self.address.removeprefix("grpc://"), self.job)
+                     "sharding)", self.address, self.job)
         return self._registered
 
 

@@ -103,7 +103,7 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
                 ) -> tuple[list[Task], network.Links | None]:
     """Pick the ports, give them links when asked (in this process's own network
     namespace), start every task; (the tasks, their links or None)."""
-    host = network.HOST if args.link else "localhost"
+    host = task_host(args)
     spec = cluster_spec(args.workers, args.ps, host)
     if args.evaluator:  # listed in the cluster, as Kubeflow does; it serves nothing
         spec["evaluator"] = [f"{host}:{portpicker.pick_unused_port()}"]
@@ -117,6 +117,11 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
     if links:
         links.schedule(args.partitions, serving=task_labels(args))
     return tasks, links
+
+
+def task_host(args: argparse.Namespace) -> str:
+    """The host every task listens on: the namespace's address with --link."""
+    return network.HOST if args.link else "localhost"
 
 
 def data_tasks(args: argparse.Namespace, host: str) -> list[Task]:
@@ -369,8 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         args.dispatcher_port = portpicker.pick_unused_port()
         args.data_worker_ports = [portpicker.pick_unused_port()
                                   for _ in range(args.data_workers)]
-        host = network.HOST if args.link else "localhost"
-        train_args += ["--set", f"data.service={host}:{args.dispatcher_port}"]
+        train_args += ["--set", f"data.service={task_host(args)}:{args.dispatcher_port}"]
     train_args = thread_settings(args.workers, train_args) + train_args
     _TERMINATED.clear()
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

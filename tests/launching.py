@@ -25,20 +25,28 @@ def launch(*args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
-                sig: int = signal.SIGKILL) -> tuple[str, bool]:
-    """Read the launcher's output to the end; send `sig` to task `victim` (e.g.
-    "worker:1", or "launch": the launcher itself) at the first line for which
-    `trigger` is true. (all output, whether sent)"""
-    lines, pids, sent = [], {"launch": launcher.pid}, False
+def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool], str]],
+              sig: int = signal.SIGKILL) -> tuple[str, int]:
+    """Read the launcher's output to the end; send `sig` to each (trigger, victim) of
+    `plan`'s victim (e.g. "worker:1", or "launch": the launcher itself) at the first
+    line for which its trigger is true. (all output, how many were sent)"""
+    lines, pids, due = [], {"launch": launcher.pid}, list(plan)
     for line in launcher.stdout:
         lines.append(line)
         if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
             pids[started[1]] = int(started[2])
-        if not sent and trigger(line):
+        for trigger, victim in [(t, v) for t, v in due if t(line)]:
             os.kill(pids[victim], sig)
-            sent = True
-    return "".join(lines), sent
+            due.remove((trigger, victim))
+    return "".join(lines), len(plan) - len(due)
+
+
+def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
+                sig: int = signal.SIGKILL) -> tuple[str, bool]:
+    """Send `sig` to task `victim` at the first line for which `trigger` is true; see
+    `signal_on`. (all output, whether sent)"""
+    output, sent = signal_on(launcher, [(trigger, victim)], sig)
+    return output, bool(sent)
 
 
 def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[str, bool]:
@@ -46,27 +54,26 @@ def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[
     return signal_when(launcher, lambda line: line.startswith(prefix), victim)
 
 
+def reached(reporter: str, step: int) -> Callable[[str], bool]:
+    """A trigger: task `reporter` has logged step `step` or later."""
+    def trigger(line: str) -> bool:
+        m = STEP.match(line.rstrip("\n"))
+        return bool(m) and m[1] == reporter and int(m[2]) >= step
+    return trigger
+
+
 def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim: str,
                    sig: int = signal.SIGKILL) -> tuple[str, bool]:
     """Send `sig` to `victim` once task `reporter` has logged step `step` or later."""
-    output, sent = signal_at_steps(launcher, reporter, {step: victim}, sig)
-    return output, bool(sent)
+    return signal_when(launcher, reached(reporter, step), victim, sig)
 
 
 def signal_at_steps(launcher: subprocess.Popen, reporter: str, victims: dict[int, str],
                     sig: int = signal.SIGKILL) -> tuple[str, int]:
     """Send `sig` to each of `victims` ({step: task}) once task `reporter` has logged
     that step or later. (all output, how many were sent)"""
-    lines, pids, due = [], {"launch": launcher.pid}, dict(sorted(victims.items()))
-    for line in launcher.stdout:
-        lines.append(line)
-        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-            pids[started[1]] = int(started[2])
-        m = STEP.match(line.rstrip("\n"))
-        if m and m[1] == reporter:
-            for step in [s for s in due if s <= int(m[2])]:
-                os.kill(pids[due.pop(step)], sig)
-    return "".join(lines), len(victims) - len(due)
+    return signal_on(launcher, [(reached(reporter, step), victim)
+                                for step, victim in sorted(victims.items())], sig)
 
 
 def steps_reported(output: str, task: str) -> list[int]:
