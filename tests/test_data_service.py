@@ -43,7 +43,7 @@ def test_a_dataset_that_calls_python_is_named_with_what_to_use_instead():
     data_service.check_runnable(Numbered()._examples(4), "t")  # TensorFlow ops only
 
 
-@pytest.mark.parametrize("address", ["localhost", "host:port", ":5050"])
+@pytest.mark.parametrize("address", ["localhost", "host:port", ":5050", "localhost:99999"])
 def test_the_config_refuses_an_address_that_is_not_host_port(address):
     with pytest.raises(cfg.ConfigError, match=rf"data.service = '{address}' is not a "
                                               "dispatcher's host:port"):
