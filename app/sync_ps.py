@@ -12,11 +12,11 @@ others. Step k:
   gradient of a batch of the worker's own shard, and push it, tagged k, into
   one `ConditionalAccumulator` per variable on that variable's ps task.
 - The chief runs `_update`, whose ops are placed on the ps tasks: each
-  accumulator's `take_grad(N)` waits for N gradients tagged k, averages them
-  and moves on to k + 1, so a gradient tagged k that arrives later is dropped
-  by the accumulator itself; the optimizer applies the averages where the
-  variables live, then the version becomes k + 1. No gradient passes through
-  the chief.
+  accumulator's `take_grad(N)` waits for N gradients tagged k, averages those
+  it holds (more than N if another arrived meanwhile) and moves on to k + 1,
+  so a gradient tagged k that arrives later is dropped by the accumulator
+  itself; the optimizer applies the averages where the variables live, then
+  the version becomes k + 1. No gradient passes through the chief.
 
 A "gate" accumulator on ps:0 counts, per worker, the contributions each update
 took; every worker also counts what it pushed. Pushed minus taken is what was
@@ -141,6 +141,9 @@ class SyncTraining:
             self.version = tf.Variable(0, dtype=tf.int64, trainable=False, name="sync_version")
             self.pushed = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
                                       name="sync_pushed")
+            # Contributions ended, counted after the gate's: see `poll`.
+            self.ended = tf.Variable(tf.constant(0, tf.int64), trainable=False,
+                                     name="sync_ended")
             self.gate = tf.compat.v1.ConditionalAccumulator(
                 tf.float32, shape=[num_workers], reduction_type="SUM",
                 shared_name=f"sync_gate_{run}")
@@ -151,6 +154,7 @@ class SyncTraining:
                     var.dtype, shape=var.shape, shared_name=f"sync_grad_{i}_{run}"))
         self.contribute = tf.function(self._contribute)
         self.update = tf.function(self._update)
+        self.poll = tf.function(self._poll)
 
     def _contribute(self, iterator) -> tf.Tensor:
         """On a worker: one gradient of the current parameters, pushed to the accumulators."""
@@ -176,17 +180,17 @@ class SyncTraining:
         with tf.control_dependencies([counted]):
             gated = self.gate.apply_grad(mine, local_step=step)
         with tf.control_dependencies([gated]):
+            ended = self.ended.assign_add(1)
+        with tf.control_dependencies([ended]):
             return tf.identity(loss)
 
-    def wait_for_gradients(self, poll_s: float = 0.001) -> None:
-        """Return once the current version has the gradients its update needs.
-
-        The update's `take_grad` would wait by itself, but blocking on a ps task
-        from the chief stalls that task's requests from the workers in a
-        multi-process cluster (the pushes it waits for), so the chief polls.
-        """
-        while int(self.gate.num_accumulated()) < self.required:
-            time.sleep(poll_s)
+    def _poll(self) -> tuple[tf.Tensor, tf.Tensor]:
+        """On ps:0: the contributions ended, then the gradients the gate holds for the
+        current version. In that order, a fresh contribution counted as ended is also
+        in the gate's count, so no worker that has pushed for this version looks idle."""
+        ended = self.ended.read_value()
+        with tf.control_dependencies([ended]):
+            return ended, self.gate.num_accumulated(name="gate_num_accumulated")
 
     def resume_version(self) -> None:
         """After a restore: the accumulators, new, count time from 0; from the restored
@@ -238,8 +242,8 @@ def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int
         steps=steps_per_epoch, verbose=verbose)
     first_epoch, first_step, taken = (backup.restore() if backup
                                       else (0, 0, np.zeros(training.num_workers)))
-    # What was pushed before a restart is not running now: nothing in flight.
-    progress = _Progress(scheduled=int(training.pushed.numpy().sum()), taken=taken)
+    # Nothing is in flight yet (after a restart too: `ended` is not in the backup).
+    progress = _Progress(scheduled=int(training.ended.numpy()), taken=taken)
     callback_list.on_train_begin()
     for epoch in range(first_epoch, epochs):
         callback_list.on_epoch_begin(epoch)
@@ -268,18 +272,38 @@ def _train_epoch(training: SyncTraining, iterator, callback_list: keras.callback
     losses = []
     for step in steps:
         callback_list.on_train_batch_begin(step)
-        # Keep one contribution in flight per worker: the ones still running
-        # (a straggler's) count, so the queue never grows.
-        running = progress.scheduled - int(training.pushed.numpy().sum())
-        for _ in range(training.num_workers - running):
-            losses.append(training.coordinator.schedule(training.contribute, args=(iterator,)))
-            progress.scheduled += 1
-        training.wait_for_gradients()
+        _gather(training, iterator, progress, losses)
         progress.taken += training.update().numpy()
         callback_list.on_train_batch_end(step, {})
         if backup and step + 1 < steps.stop:  # the last one is saved with its epoch
             backup.step_done(epoch, step + 1, progress.taken)
     return losses
+
+
+def _gather(training: SyncTraining, iterator, progress: _Progress, losses: list,
+            poll_s: float = 0.001) -> None:
+    """Return once the current version has the gradients its update needs, keeping one
+    contribution in flight per worker that has not yet pushed one for this version.
+
+    The contributions still running (a straggler's) count, so the queue never grows.
+    The count is taken again while waiting: the coordinator hands a closure to
+    whichever worker asks first, so a straggler that ends a stale contribution just
+    after this step's closures were queued can take the one meant for an idle fast
+    worker, and the update would wait for the straggler.
+
+    The update's `take_grad` would wait by itself, but blocking on a ps task from the
+    chief stalls that task's requests from the workers in a multi-process cluster
+    (the pushes it waits for), so the chief polls.
+    """
+    while True:
+        ended, accumulated = (int(value) for value in training.poll())
+        if accumulated >= training.required:
+            return
+        short = training.num_workers - (progress.scheduled - ended) - accumulated
+        for _ in range(short):
+            losses.append(training.coordinator.schedule(training.contribute, args=(iterator,)))
+        progress.scheduled += max(short, 0)
+        time.sleep(poll_s)
 
 
 class SyncBackup:
