@@ -132,6 +132,15 @@ def test_too_few_tasks_for_the_data_service_is_an_error(capsys, monkeypatch):
            "tasks, the step has 3" in capsys.readouterr().err
 
 
+def test_the_data_service_without_the_runs_workdir_is_an_error(capsys, monkeypatch):
+    monkeypatch.setattr(os, "environ", {"SLURM_PROCID": "4", "SLURM_STEP_NODELIST": "n[1-6]",
+                                        "SLURM_STEP_TASKS_PER_NODE": "1(x6)"})
+    assert slurm.main(["--data-workers", "1", "--dry-run"]) == 2
+    assert "--data-workers needs the run's --workdir" in capsys.readouterr().err
+    assert slurm.main(["--data-workers", "1", "--workdir=runs/w", "--dry-run"]) == 0
+    assert "runs/w/data_service" in capsys.readouterr().out
+
+
 def sbatch_options() -> dict[str, str]:
     """The script's #SBATCH options, as sbatch reads them (up to its first command)."""
     options = {}

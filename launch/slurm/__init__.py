@@ -165,6 +165,20 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
             for arg in ("--set", f"{key}={value}")]
 
 
+def _workdir(train_args: list[str]) -> str:
+    """The trainers' `--workdir`: the dispatcher journals in `<workdir>/data_service`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workdir")
+    found, _ = parser.parse_known_args(train_args)
+    if not found.workdir:
+        raise SlurmError("--data-workers needs the run's --workdir (the dispatcher journals "
+                         "in <workdir>/data_service, where a restarted one finds its jobs): "
+                         "pass --workdir DIR, as train.sbatch does")
+    return found.workdir
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
     import os
@@ -185,9 +199,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service, config = None, None
         if args.data_workers:
-            workdir = train_args[train_args.index("--workdir") + 1]
             dispatcher, service = data_service(os.environ, args.port, args.data_workers,
-                                               workdir)
+                                               _workdir(train_args))
             train_args = [*train_args, "--set", f"data.service={dispatcher}"]
         if service is None:
             config = tf_config(os.environ, args.ps, args.port, args.data_workers)
