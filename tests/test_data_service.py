@@ -21,9 +21,14 @@ from tests.numbered import Numbered, Params, PythonNumbered
 service = tf.data.experimental.service
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def dispatcher():
-    """A dispatcher and two tf.data workers in this process; the dispatcher's host:port."""
+    """A dispatcher and two tf.data workers in this process; the dispatcher's host:port.
+
+    One per test: stopped right after the test that read from it, a tf.data worker
+    stops at once; kept to the module's end, past the launch.local test, one took
+    43 s to stop (dropped without `_stop`, too).
+    """
     servers = [data_service.serve_dispatcher(0, None)]
     address = servers[0].target.removeprefix("grpc://")
     servers += [data_service.serve_worker(address, 0, "localhost") for _ in range(2)]
