@@ -55,14 +55,19 @@ class Straggler:
 
 def straggle(values, is_slow: tf.Tensor, factor: float, started: tf.Tensor):
     """`values`, once a slow worker has slept (factor - 1) times the time since `started`."""
-    values = tf.nest.flatten(values)
-
-    def wait():
-        with tf.control_dependencies(values):
+    def wait(ready: list[tf.Tensor]) -> tf.Tensor:
+        with tf.control_dependencies(ready):
             seconds = (factor - 1.0) * (tf.timestamp() - started)
         return tf_internal.sleep(tf.cast(seconds * 1e6, tf.int64))
 
-    done = tf.cond(is_slow, wait, lambda: tf.constant(0, tf.int64))
+    return hold(values, is_slow, wait)
+
+
+def hold(values, is_slow: tf.Tensor, wait: Callable[[list[tf.Tensor]], tf.Tensor]):
+    """`values` (flattened), once `wait(values)`, an int64 tensor computed after them,
+    has run where `is_slow`."""
+    values = tf.nest.flatten(values)
+    done = tf.cond(is_slow, lambda: wait(values), lambda: tf.constant(0, tf.int64))
     with tf.control_dependencies([done]):
         return [tf.identity(v) for v in values]
 

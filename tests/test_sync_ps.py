@@ -84,23 +84,15 @@ def _late(version: tf.Variable, give_up_s: float = 2.0):
     moved on from those it read (or after `give_up_s`): a straggler that is late
     whatever the load on the machine, where `Straggler.factor` is relative to its
     own step time and can lose a race with a fast worker held up by the load."""
-    def straggle(values, is_slow, factor, started):
-        del factor, started
-        values = tf.nest.flatten(values)
+    def wait(ready: list[tf.Tensor]) -> tf.Tensor:
+        with tf.control_dependencies(ready):
+            seen, deadline = version.read_value(), tf.timestamp() + give_up_s
+        return tf.while_loop(
+            lambda slept: (version.read_value() <= seen) & (tf.timestamp() < deadline),
+            lambda slept: slept + tf_internal.sleep(tf.constant(1000, tf.int64)),
+            [tf.constant(0, tf.int64)])[0]
 
-        def wait():
-            with tf.control_dependencies(values):
-                seen, deadline = version.read_value(), tf.timestamp() + give_up_s
-            return tf.while_loop(
-                lambda slept: (version.read_value() <= seen) & (tf.timestamp() < deadline),
-                lambda slept: slept + tf_internal.sleep(tf.constant(1000, tf.int64)),
-                [tf.constant(0, tf.int64)])[0]
-
-        done = tf.cond(is_slow, wait, lambda: tf.constant(0, tf.int64))
-        with tf.control_dependencies([done]):
-            return [tf.identity(v) for v in values]
-
-    return straggle
+    return lambda values, is_slow, factor, started: sync_ps.hold(values, is_slow, wait)
 
 
 def test_with_a_backup_worker_updates_never_wait_for_the_straggler(ps_strategy, monkeypatch):
