@@ -295,12 +295,16 @@ class Links:
 
     def set_cut(self, task: str, cut: bool) -> None:
         """Cut `task` off the network, or let it back on."""
+        # What its link carried, read while the cut holds: the same at the cut and at
+        # the reconnection, nothing passed.
+        carried = None if cut else self.report([task])
         try:
             run(partition_commands(self.ports, task, cut))
         except NetworkError as e:  # on a timer's thread: say so, the run goes on
             self.announce(f"could not {'cut' if cut else 'reconnect'} {task}: {e}")
             return
-        self.announce(f"{'partitioned' if cut else 'reconnected'} {task}")
+        self.announce(f"{'partitioned' if cut else 'reconnected'} {task}; its link so far: "
+                      f"{carried or self.report([task])}")
 
     def cancel(self) -> None:
         """Forget the partitions that have not happened yet."""
@@ -309,12 +313,15 @@ class Links:
             for timer in self._timers:
                 timer.cancel()
 
-    def report(self) -> str:
-        """The bytes each task's link carried so far: "ps:0 in 1.2 MiB out 850.3 MiB, ..."."""
+    def report(self, tasks: Iterable[str] | None = None) -> str:
+        """The bytes the links of `tasks` (all by default) carried so far:
+        "ps:0 in 1.2 MiB out 850.3 MiB, ..."."""
         shown = subprocess.run(["tc", "-s", "class", "show", "dev", "lo"],
                                capture_output=True, text=True).stdout
-        return ", ".join(f"{task} in {sent_in / 2**20:.1f} MiB out {sent_out / 2**20:.1f} MiB"
-                         for task, (sent_in, sent_out) in link_bytes(self.ports, shown).items())
+        carried = link_bytes(self.ports, shown)
+        return ", ".join(f"{task} in {carried[task][0] / 2**20:.1f} MiB "
+                         f"out {carried[task][1] / 2**20:.1f} MiB"
+                         for task in (self.ports if tasks is None else tasks))
 
 
 def _answers(port: int) -> bool:

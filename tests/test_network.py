@@ -211,8 +211,7 @@ def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namesp
             # 12 s after every task serves: inside epoch 1, past the chief's start, when
             # it registers its functions on every worker (a worker cut off during that
             # stays without them: TF's coordinator recovers restarted workers, not
-            # ones that missed a registration). 15 s: gRPC gives up on a silent peer
-            # after about 8 s, so the chief sees the worker fail.
+            # ones that missed a registration).
             "--link", "1gbit", "--partition", "worker:1@12+15",
             "--set", "task.train_examples=3000", "--set", "task.validation_examples=0",
             "--set", "task.test_examples=300", "--set", "train.epochs=2",
@@ -221,11 +220,22 @@ def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namesp
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "[launch] partitioned worker:1" in output and "[launch] reconnected worker:1" in output
-    # The coordinator saw worker 1 fail and put its closure back in the queue.
-    assert "ERROR Worker /job:worker/replica:0/task:1 failed" in output, output[-3000:]
     metrics = json.loads((workdir / "metrics.json").read_text())
     assert metrics["epochs_completed"] == 2 and metrics["steps"] >= 2 * (3000 // 32)
+    # What worker 1's link had carried out (the gradients the ps fetched from it,
+    # 12.5 MiB a step) when it was cut and when it came back.
+    at_cut, at_return = (
+        float(re.search(rf"\[launch\] {event} worker:1; .* out ([\d.]+) MiB", output)[1])
+        for event in ("partitioned", "reconnected"))
+    # Cut while it trained, and cut for the whole 15 s: not one step's gradients
+    # passed (uncut, it sends hundreds in 15 s).
+    assert at_cut >= 12.4 and at_return - at_cut < 12.4, output[-3000:]
+    assert output.index("reconnected worker:1") < output.index("test_accuracy="), output[-3000:]
+    # Whether TensorFlow counts the cut as the worker's failure (and puts its
+    # closure back in the queue) depends on where its connection to the chief was
+    # when the cut fell: measured, 9 to 15 s into a cut, or at the reconnection, or
+    # never (the worker's step resumed when its link came back). Completing with
+    # every step is what this run must do either way.
     # Every step read the CNN's 12.5 MiB of trainable variables out of ps:0's port.
     out_of_ps = re.search(r"ps:0 in [\d.]+ MiB out ([\d.]+) MiB", output)
     assert out_of_ps and float(out_of_ps[1]) >= metrics["steps"] * 12.4, output[-3000:]
