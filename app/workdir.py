@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import errno
 import json
@@ -32,6 +33,14 @@ class StorageError(cfg.ConfigError):
 
 def default_path() -> pathlib.Path:
     return pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+
+
+def given(train_args: list[str]) -> str | None:
+    """The `--workdir` in a trainer's arguments as `app.train` reads them
+    (`--workdir DIR` or `--workdir=DIR`, the last one if several), or None."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--workdir")
+    return parser.parse_known_args(train_args)[0].workdir
 
 
 # Settings that say where a run's parts are, not what it trains: a resumed run may

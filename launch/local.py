@@ -60,6 +60,7 @@ import portpicker
 
 from app import config as cfg
 from app.workdir import default_path
+from app.workdir import given as given_workdir
 from launch import network
 from launch.inprocess import cluster_spec
 from launch.tasks import (
@@ -367,10 +368,12 @@ def main(argv: list[str] | None = None) -> int:
         train_args += ["--set", f"runtime.memory_limit_gib={args.memory_limit_gib}"]
     if code := check_memory(args, train_args):  # before any task starts
         return code
-    if "--workdir" not in train_args:  # one workdir for all tasks: the backup is shared
-        train_args += ["--workdir", str(default_path())]
+    workdir = given_workdir(train_args)
+    if workdir is None:  # one workdir for all tasks: the backup is shared
+        workdir = str(default_path())
+        train_args += ["--workdir", workdir]
     if args.data_workers:  # ports kept by every relaunch: a dispatcher resumes its journal
-        args.workdir = pathlib.Path(train_args[train_args.index("--workdir") + 1])
+        args.workdir = pathlib.Path(workdir)
         args.dispatcher_port = portpicker.pick_unused_port()
         args.data_worker_ports = [portpicker.pick_unused_port()
                                   for _ in range(args.data_workers)]

@@ -176,8 +176,10 @@ def test_a_chief_refusing_a_finished_workdir_stops_every_task_with_its_reason(tm
     workdir = tmp_path / "done"
     workdir.mkdir()
     (workdir / "metrics.json").write_text("{}")
+    # `--workdir=DIR`: the launcher used to miss that spelling and add a fresh workdir
+    # of its own after it, which the tasks then took.
     launcher = launching.launch("--workers", "1", "--ps", "1", "--set", "task.model=mlp",
-                                "--workdir", str(workdir))
+                                f"--workdir={workdir}")
     output, _ = launcher.communicate(timeout=300)
     assert launcher.returncode == 2, output[-3000:]
     assert f"--workdir {workdir} already holds a finished run" in output

@@ -12,6 +12,13 @@ def test_new_workdir_gets_the_config(tmp_path):
     assert cfg.load(str(path / "config.toml")) == config
 
 
+def test_the_workdir_given_is_read_as_app_train_reads_it():
+    assert workdir.given(["--set", "train.epochs=2", "--workdir", "runs/a"]) == "runs/a"
+    assert workdir.given(["--workdir=runs/b", "--config", "c.toml"]) == "runs/b"
+    assert workdir.given(["--workdir", "runs/a", "--workdir=runs/b"]) == "runs/b"  # the last
+    assert workdir.given(["--set", "task.name=x", "--config", "c.toml"]) is None
+
+
 def test_finished_run_is_never_overwritten(tmp_path):
     (tmp_path / "metrics.json").write_text("{}")
     with pytest.raises(cfg.ConfigError) as e:

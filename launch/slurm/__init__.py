@@ -167,16 +167,14 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
 
 def _workdir(train_args: list[str]) -> str:
     """The trainers' `--workdir`: the dispatcher journals in `<workdir>/data_service`."""
-    import argparse
+    from app import workdir
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--workdir")
-    found, _ = parser.parse_known_args(train_args)
-    if not found.workdir:
+    found = workdir.given(train_args)
+    if not found:
         raise SlurmError("--data-workers needs the run's --workdir (the dispatcher journals "
                          "in <workdir>/data_service, where a restarted one finds its jobs): "
                          "pass --workdir DIR, as train.sbatch does")
-    return found.workdir
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
