@@ -38,7 +38,8 @@ nothing if a task's predicted peak exceeds the limit (exit 2).
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
 where every task has a link of its own (launch/network.py says how, and what
 such a link cannot shape); `--partition TASK@SECONDS[+DURATION]` then cuts a
-task off the network for a while, without stopping it (needs root); after
+task off the network for a while, without stopping it (needs root), or
+`TASK@stepN[+DURATION]` once the chief has logged step N (`debug.log_every_steps`); after
 a failure, the relaunched cluster (`--max-restarts`) runs without the cuts:
 
     python -m launch.local --workers 2 --ps 2 --link 1gbit --config configs/mnist_ps.toml
@@ -113,10 +114,13 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
         links = network.Links(args.link, network.task_ports(spec), announce)
         announce(f"every task's port limited to {args.link_text} each way")
     tasks = data_tasks(args, host)  # first: the trainers wait for the dispatcher
-    tasks += [Task(job, i, spec, train_args) for job in ("ps", "worker", "chief", "evaluator")
+    hear = links.heard if links and args.partitions else None
+    tasks += [Task(job, i, spec, train_args, hear)
+              for job in ("ps", "worker", "chief", "evaluator")
               for i in range(len(spec.get(job, ())))]
     if links:
-        links.schedule(args.partitions, serving=task_labels(args))
+        links.schedule(args.partitions, serving=task_labels(args),
+                       lead="chief:0" if args.ps else "worker:0")
     return tasks, links
 
 
@@ -332,8 +336,10 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--partition", action="append", default=[],
                         metavar="TASK@SECONDS[+DURATION]",
                         help="with --link: cut TASK off the network SECONDS after every task "
-                             "serves, for DURATION seconds or to the end (e.g. worker:1@40+30); "
-                             "a relaunch after a failure runs without it")
+                             "serves, for DURATION seconds or to the end (e.g. worker:1@40+30), "
+                             "or once the chief (worker 0 without ps) logs step N, "
+                             "TASK@stepN[+DURATION] (with debug.log_every_steps); a relaunch "
+                             "after a failure runs without it")
     parser.add_argument("--data-workers", type=int, default=0, metavar="N",
                         help="run the training input pipelines in a tf.data service: a "
                              "dispatcher and N tf.data workers, each a process of its own "

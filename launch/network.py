@@ -55,6 +55,8 @@ RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10*
 DELAY_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 _SHAPING_PRIO = 1000  # after every partition filter (prio 10 + task index)
 BLACKHOLE = "1:2"  # the class of a cut task's packets: its queue holds none
+# A step a training task logs (debug.log_every_steps), as launch.local copies it.
+_STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
 
 
 class NetworkError(RuntimeError):
@@ -70,11 +72,13 @@ class Link:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """Cut `task` ("worker:1") off `at_s` seconds after every task serves, for
-    `duration_s` seconds (None: until the run ends)."""
+    """Cut `task` ("worker:1") off `at_s` seconds after every task serves, or once the
+    lead task has logged step `at_step` (`debug.log_every_steps`), for `duration_s`
+    seconds (None: until the run ends)."""
     task: str
-    at_s: float
+    at_s: float | None
     duration_s: float | None = None
+    at_step: int | None = None
 
 
 def parse_link(text: str) -> Link:
@@ -101,18 +105,23 @@ def _quantity(text: str, units: dict[str, float], flag: str, whole: str, fix: st
 
 
 def parse_partition(text: str, tasks: Iterable[str]) -> Partition:
-    """`TASK@SECONDS[+DURATION]`, e.g. "worker:1@40+30", for one of `tasks`."""
-    match = re.fullmatch(r"(\w+:\d+)@(\d+(?:\.\d+)?)(?:\+(\d+(?:\.\d+)?))?", text.strip())
-    if not match:
+    """`TASK@SECONDS[+DURATION]` or `TASK@stepN[+DURATION]`, e.g. "worker:1@40+30" or
+    "worker:1@step50+15", for one of `tasks`."""
+    match = re.fullmatch(r"(\w+:\d+)@(step)?(\d+(?:\.\d+)?)(?:\+(\d+(?:\.\d+)?))?",
+                         text.strip())
+    if not match or (match[2] and "." in match[3]):
         raise ValueError(f"--partition {text!r}: write TASK@SECONDS[+DURATION], e.g. "
                          "worker:1@40+30 (cut worker 1 off 40 s after every task serves, "
-                         "for 30 s)")
+                         "for 30 s), or TASK@stepN[+DURATION], e.g. worker:1@step50+15 (once "
+                         "the chief logs step 50: --set debug.log_every_steps=10)")
     tasks = list(tasks)
     if match[1] not in tasks:
         raise ValueError(f"--partition {text!r}: this cluster has no task {match[1]}; "
                          f"its tasks are {', '.join(tasks)}")
-    duration = float(match[3]) if match[3] else None
-    return Partition(match[1], float(match[2]), duration)
+    duration = float(match[4]) if match[4] else None
+    if match[2]:
+        return Partition(match[1], None, duration, at_step=int(match[3]))
+    return Partition(match[1], float(match[3]), duration)
 
 
 def task_ports(spec: dict[str, list[str]]) -> dict[str, int]:
@@ -263,18 +272,44 @@ class Links:
         self.ports, self.announce = ports, announce
         self._timers: list[threading.Timer] = []
         self._lock, self._cancelled = threading.Lock(), threading.Event()
+        self._lead, self._by_step = "chief:0", []
         # A relaunch (--max-restarts) brings new ports: start from a bare `lo`.
         subprocess.run(["tc", "qdisc", "del", "dev", "lo", "root"], capture_output=True)
         run(shaping_commands(ports, link))
 
-    def schedule(self, partitions: Iterable[Partition], serving: Iterable[str]) -> None:
-        """Start the clocks of `partitions` once every task of `serving` accepts
-        connections: counted from the launch, they would also count TensorFlow's
-        start-up, which takes 5 s on an idle machine and 30 s on a busy one."""
-        partitions, ports = list(partitions), [self.ports[task] for task in serving]
-        if partitions:
-            threading.Thread(target=self._schedule_when_up, args=(partitions, ports),
+    def schedule(self, partitions: Iterable[Partition], serving: Iterable[str],
+                 lead: str = "chief:0") -> None:
+        """Start the clocks of the timed `partitions` once every task of `serving`
+        accepts connections: counted from the launch, they would also count
+        TensorFlow's start-up, which takes 5 s on an idle machine and 30 s on a busy
+        one. The others wait for task `lead` to log their step (`heard`): the
+        training's own progress, the same on a loaded machine as on an idle one."""
+        ports = [self.ports[task] for task in serving]
+        timed = [p for p in partitions if p.at_step is None]
+        self._lead, self._by_step = lead, [p for p in partitions if p.at_step is not None]
+        if timed:
+            threading.Thread(target=self._schedule_when_up, args=(timed, ports),
                              daemon=True).start()
+
+    def heard(self, line: str) -> None:
+        """A line of a task's output: a step the lead task logged starts the cuts due."""
+        step = _STEP.match(line)
+        if not (step and step[1] == self._lead and self._by_step):
+            return
+        with self._lock:
+            due = [p for p in self._by_step if p.at_step <= int(step[2])]
+            self._by_step = [p for p in self._by_step if p not in due]
+            for p in due:
+                if not self._cancelled.is_set():
+                    self._start(0.0, p.task, True)
+                    if p.duration_s is not None:
+                        self._start(p.duration_s, p.task, False)
+
+    def _start(self, after_s: float, task: str, cut: bool) -> None:
+        timer = threading.Timer(after_s, self.set_cut, (task, cut))
+        timer.daemon = True
+        timer.start()
+        self._timers.append(timer)
 
     def _schedule_when_up(self, partitions: list[Partition], ports: list[int]) -> None:
         while not all(_answers(port) for port in ports):
@@ -288,10 +323,7 @@ class Links:
                     events.append((p.at_s + p.duration_s, False))
                 for at_s, cut in events:
                     if not self._cancelled.is_set():
-                        timer = threading.Timer(at_s, self.set_cut, (p.task, cut))
-                        timer.daemon = True
-                        timer.start()
-                        self._timers.append(timer)
+                        self._start(at_s, p.task, cut)
 
     def set_cut(self, task: str, cut: bool) -> None:
         """Cut `task` off the network, or let it back on."""

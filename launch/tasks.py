@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from app.cluster import TaskLost
 from app.memory import EXIT_CODE as OUT_OF_MEMORY
@@ -43,8 +44,10 @@ class Task:
     # only when told: once the lead has finished, not with the others.
     serves_data = False
 
-    def __init__(self, job: str, index: int, spec: dict, train_args: list[str]):
+    def __init__(self, job: str, index: int, spec: dict, train_args: list[str],
+                 hear: Callable[[str], None] | None = None):
         self.job, self.index, self.spec, self.train_args = job, index, spec, train_args
+        self.hear = hear  # told each line copied (launch.network's step-timed partitions)
         self.label = f"{job}:{index}"
         self.process = subprocess.Popen(
             [sys.executable, "-u", "-m", *self.command()], env=self.environment(),
@@ -64,12 +67,15 @@ class Task:
         prefix = f"[{self.label}]"
         for line in self.process.stdout:
             # app.train prefixes its own log lines; TF's and Keras' are not.
-            sys.stdout.write(line if line.startswith(prefix) else f"{prefix} {line}")
+            line = line if line.startswith(prefix) else f"{prefix} {line}"
+            sys.stdout.write(line)
             sys.stdout.flush()
+            if self.hear:
+                self.hear(line.rstrip("\n"))
 
     def again(self) -> Task:
         """The same task started anew: same command, same TF_CONFIG, same port."""
-        return type(self)(self.job, self.index, self.spec, self.train_args)
+        return type(self)(self.job, self.index, self.spec, self.train_args, self.hear)
 
     def stop(self, now: bool = False) -> None:
         """SIGTERM (the task saves a backup, app/preemption.py), or SIGKILL `now`."""

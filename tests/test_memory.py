@@ -35,13 +35,15 @@ def test_the_limit_leaves_room_for_the_stacks_of_threads_started_later():
     # 120 threads (a ps task serves with about 100) reserve 960 MiB of stacks at 8 MiB
     # each, which RLIMIT_DATA counts: with a limit fixed before they start, the
     # 0.5 GiB array would fail at 1 GiB; followed, it fits, and 1 GiB more does not.
-    script = ("import threading, time\n"
+    script = ("import resource, threading, time\n"
               "import numpy as np\n"
               "from app import memory\n"
               "memory.follow_threads(1.0)\n"
               "stop = threading.Event()\n"
               "for _ in range(120): threading.Thread(target=stop.wait, daemon=True).start()\n"
-              "time.sleep(3 * memory.FOLLOW_S)\n"
+              "# Once the follower has looked at these threads, the limit allows for them.\n"
+              "need = int(memory.GIB) + memory.thread_stacks()\n"
+              "while resource.getrlimit(resource.RLIMIT_DATA)[0] < need: time.sleep(0.05)\n"
               "held = np.ones(1 << 26)  # 0.5 GiB\n"
               "print('held', flush=True)\n"
               "more = np.ones(1 << 27)  # 1 GiB more\n")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 
 import pytest
 
@@ -46,6 +47,11 @@ def test_partitions_name_a_task_a_time_and_maybe_a_duration():
     assert network.parse_partition("worker:1@40+30", tasks) == network.Partition(
         "worker:1", 40.0, 30.0)
     assert network.parse_partition("ps:0@2.5", tasks) == network.Partition("ps:0", 2.5, None)
+    assert network.parse_partition("worker:1@step50+15", tasks) == network.Partition(
+        "worker:1", None, 15.0, at_step=50)
+    with pytest.raises(ValueError, match=re.escape(
+            "--partition 'worker:1@step2.5': write TASK@SECONDS[+DURATION]")):
+        network.parse_partition("worker:1@step2.5", tasks)
     with pytest.raises(ValueError, match=re.escape(
             "--partition 'worker:2@40': this cluster has no task worker:2; its tasks are "
             "chief:0, worker:0, worker:1, ps:0")):
@@ -53,6 +59,30 @@ def test_partitions_name_a_task_a_time_and_maybe_a_duration():
     with pytest.raises(ValueError, match=re.escape(
             "--partition 'worker:1 40': write TASK@SECONDS[+DURATION], e.g. worker:1@40+30")):
         network.parse_partition("worker:1 40", tasks)
+
+
+def test_a_step_partition_cuts_when_the_lead_logs_its_step_and_reconnects_after_its_duration(
+        monkeypatch):
+    cuts, reconnected = [], threading.Event()
+
+    def set_cut(task, cut):
+        cuts.append((task, cut))
+        if not cut:
+            reconnected.set()
+
+    # No tc: this `lo` is the machine's. The cuts are recorded instead.
+    monkeypatch.setattr(network, "run", lambda commands: None)
+    monkeypatch.setattr(network, "subprocess", types.SimpleNamespace(run=lambda *a, **k: None))
+    links = network.Links(network.Link(10**9), {"chief:0": 1, "worker:1": 2}, print)
+    monkeypatch.setattr(links, "set_cut", set_cut)
+    links.schedule([network.Partition("worker:1", None, 0.01, at_step=20)],
+                   serving=["chief:0", "worker:1"], lead="chief:0")
+    links.heard("[worker:1] INFO step 30")  # not the lead
+    links.heard("[chief:0] INFO step 10")  # not yet
+    assert cuts == []
+    links.heard("[chief:0] INFO step 20")
+    links.heard("[chief:0] INFO step 21")  # once only
+    assert reconnected.wait(60) and cuts == [("worker:1", True), ("worker:1", False)]
 
 
 def test_task_ports_come_from_the_cluster_spec():
@@ -208,13 +238,15 @@ def test_a_delay_is_netem_or_a_refusal_that_says_how_to_get_it(namespace):
 def test_a_partitioned_worker_comes_back_and_training_completes(tmp_path, namespace):
     workdir = tmp_path / "run"
     args = [sys.executable, "-u", "-m", "launch.local", "--workers", "2", "--ps", "1",
-            # 12 s after every task serves: inside epoch 1, past the chief's start, when
+            # At the chief's step 20 of 93: inside epoch 1, past the chief's start, when
             # it registers its functions on every worker (a worker cut off during that
             # stays without them: TF's coordinator recovers restarted workers, not
-            # ones that missed a registration).
-            "--link", "1gbit", "--partition", "worker:1@12+15",
+            # ones that missed a registration). Counted in steps, not seconds: a loaded
+            # machine starts later, never at another step.
+            "--link", "1gbit", "--partition", "worker:1@step20+15",
             "--set", "task.train_examples=3000", "--set", "task.validation_examples=0",
             "--set", "task.test_examples=300", "--set", "train.epochs=2",
+            "--set", "debug.log_every_steps=10",
             "--set", "train.verbose=2", "--workdir", str(workdir)]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     result = subprocess.run(args, capture_output=True, text=True, env=env, timeout=400)

@@ -9,10 +9,10 @@ own (`make test` runs the `cluster` marker separately).
 
 import dataclasses
 import json
+import logging
 import os
 import socket
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -167,11 +167,37 @@ def test_fp16_push_in_sync_mode_is_refused(ps_strategy, ps_cluster, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+# A deadline only a hung serve loop reaches, however loaded the machine.
+HANG_S = 120
+
+
+class Said(logging.Handler):
+    """What `parameter_server.serve` logs in one thread, which a test can wait for: the
+    serve loop's own account of what it has seen, where a fixed sleep would guess."""
+
+    def __init__(self, thread_name: str):
+        super().__init__(logging.INFO)
+        self.thread_name, self.lines = thread_name, []
+        self.changed = threading.Condition()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.threadName == self.thread_name:
+            with self.changed:
+                self.lines.append(record.getMessage())
+                self.changed.notify_all()
+
+    def wait_for(self, start: str, timeout_s: float = HANG_S) -> None:
+        """Return once a line starting with `start` has been logged (the deadline: a hang)."""
+        with self.changed:
+            assert self.changed.wait_for(
+                lambda: any(line.startswith(start) for line in self.lines), timeout_s), self.lines
+
+
 def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True
                     ) -> tuple[socket.socket, dict, threading.Event]:
     """A listening socket standing for the chief (closed already unless `chief_up`), and
-    `serve` of task `job`:0 in a thread; (the chief, what serve raised as
-    {"error": ...} and the task's cluster, set when it ends)."""
+    `serve` of task `job`:0 in a thread; (the chief, what serve raised as {"error": ...},
+    the task's cluster and what it logged ("said": `Said`), set when it ends)."""
     chief = socket.socket()
     chief.bind(("localhost", 0))
     chief.listen()
@@ -181,7 +207,11 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
     if not chief_up:  # a chief that never connected: its port is free
         chief.close()
     task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
-    outcome, done = {"cluster": task}, threading.Event()
+    said = Said(f"serve-{spec[job][0]}")
+    logger = logging.getLogger(parameter_server.__name__)
+    logger.addHandler(said)
+    logger.setLevel(logging.INFO)
+    outcome, done = {"cluster": task, "said": said}, threading.Event()
 
     def run():
         try:
@@ -189,32 +219,34 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
                                    stopping=stopping)
         except clusters.TaskLost as e:
             outcome["error"] = e
+        finally:
+            logger.removeHandler(said)
         done.set()
 
-    threading.Thread(target=run, daemon=True).start()
+    threading.Thread(target=run, name=said.thread_name, daemon=True).start()
     outcome["marker"] = parameter_server.finished_marker(spec[job][0])
     return chief, outcome, done
 
 
 def test_a_task_serves_until_the_chief_has_finished_not_merely_left():
     chief, outcome, done = serve_in_thread("ps", wait_s=60)
-    time.sleep(1.0)
+    outcome["said"].wait_for("the chief is up")
     assert not done.is_set()  # the chief is up: keep serving
     chief.close()
-    time.sleep(1.0)
+    outcome["said"].wait_for("the chief left without finishing")
     assert not done.is_set()  # gone without finishing: it may come back, keep serving
     # What the chief's tell_finished writes through TF on this task's disk.
     with open(outcome["marker"], "w") as f:
         f.write("finished")
-    assert done.wait(timeout=10) and "error" not in outcome
+    assert done.wait(timeout=HANG_S) and "error" not in outcome
     assert not os.path.exists(outcome["marker"])  # not left for the next job on this port
 
 
 def test_a_task_whose_chief_does_not_come_back_exits_with_a_retried_code():
     chief, outcome, done = serve_in_thread("worker", wait_s=0.5)
-    time.sleep(1.0)
+    outcome["said"].wait_for("the chief is up")
     chief.close()
-    assert done.wait(timeout=10)
+    assert done.wait(timeout=HANG_S)
     error = outcome["error"]
     assert error.exit_code == 203
     assert ("left without finishing and has not come back within cluster.connect_timeout_s "
@@ -227,7 +259,7 @@ def test_a_task_whose_chief_failed_before_connecting_stops_with_the_chiefs_code(
     # No ps:0 serves here, so the chief would wait for it: in a thread of its own.
     threading.Thread(target=chief_failure.tell, daemon=True, args=(
         cluster, 2, "--workdir /runs/a already holds a finished run", 20)).start()
-    assert done.wait(timeout=15)
+    assert done.wait(timeout=HANG_S)
     error = outcome["error"]
     assert error.exit_code == 2
     assert str(error).startswith(
@@ -237,13 +269,13 @@ def test_a_task_whose_chief_failed_before_connecting_stops_with_the_chiefs_code(
 
 def test_a_task_whose_chief_failed_after_connecting_reads_it_in_the_marker():
     chief, outcome, done = serve_in_thread("ps", wait_s=60)
-    time.sleep(1.0)  # seen
+    outcome["said"].wait_for("the chief is up")
     chief.close()
     # What the chief's tell_failed writes through TF on this task's disk.
     with open(outcome["marker"] + ".tmp", "w") as f:  # whole, as TF's write is
         f.write(parameter_server.FAILED + chief_failure.message(1, "ValueError: bad batch"))
     os.replace(outcome["marker"] + ".tmp", outcome["marker"])
-    assert done.wait(timeout=10)
+    assert done.wait(timeout=HANG_S)
     assert outcome["error"].exit_code == 1
     assert "failed with exit code 1: ValueError: bad batch; ps:0 stops" in str(outcome["error"])
 
@@ -251,7 +283,7 @@ def test_a_task_whose_chief_failed_after_connecting_reads_it_in_the_marker():
 def test_sigterm_before_any_chief_came_speaks_of_no_backup():
     chief, outcome, done = serve_in_thread("ps", wait_s=60, stopping=lambda: True,
                                            chief_up=False)
-    assert done.wait(timeout=10)
+    assert done.wait(timeout=HANG_S)
     assert str(outcome["error"]) == (
         "preempted (SIGTERM) before any chief had connected to ps:0; it stops (exit code 204): "
         "no training ran through it")

@@ -79,16 +79,19 @@ def test_sync_without_backups_equals_one_process_taking_the_averaged_steps(ps_st
     assert int(model.optimizer.iterations.numpy()) == 6
 
 
-def _late(version: tf.Variable, give_up_s: float = 2.0):
+def _late(version: tf.Variable, final: int, hang_s: float = 300.0):
     """A `sync_ps.straggle` whose slow worker pushes only once the parameters have
-    moved on from those it read (or after `give_up_s`): a straggler that is late
-    whatever the load on the machine, where `Straggler.factor` is relative to its
-    own step time and can lose a race with a fast worker held up by the load."""
+    moved on from those it read, or have had their `final` update: a straggler that is
+    late whatever the load on the machine, where `Straggler.factor` is relative to its
+    own step time and can lose a race with a fast worker held up by the load. It waits
+    on the run's own progress, never on the clock (`hang_s` is a deadline only a hang
+    reaches)."""
     def wait(ready: list[tf.Tensor]) -> tf.Tensor:
         with tf.control_dependencies(ready):
-            seen, deadline = version.read_value(), tf.timestamp() + give_up_s
+            seen, deadline = version.read_value(), tf.timestamp() + hang_s
         return tf.while_loop(
-            lambda slept: (version.read_value() <= seen) & (tf.timestamp() < deadline),
+            lambda slept: ((version.read_value() <= seen) & (seen < final)
+                           & (tf.timestamp() < deadline)),
             lambda slept: slept + tf_internal.sleep(tf.constant(1000, tf.int64)),
             [tf.constant(0, tf.int64)])[0]
 
@@ -99,7 +102,7 @@ def test_with_a_backup_worker_updates_never_wait_for_the_straggler(ps_strategy, 
     steps = 12
     training = _training(ps_strategy, backup_workers=1,
                          straggler=sync_ps.Straggler(worker=1, factor=2.0))
-    monkeypatch.setattr(sync_ps, "straggle", _late(training.version))
+    monkeypatch.setattr(sync_ps, "straggle", _late(training.version, final=steps))
     figures = _fit(training, steps)
     # Every update went ahead on the fast worker's gradients alone; the straggler's,
     # computed on parameters that had moved on, were all dropped. An update takes
