@@ -325,6 +325,46 @@ class OwnStepsModel(Zoo3):
         return model
 
 
+class GuideModel(keras.Model):
+    """keras.io's "Customizing what happens in fit() with TensorFlow", as a new user
+    writes it: layers made in `__init__`, no `build` of its own (so `Model.build(shape)`
+    creates no variable: its layers are built at the first call), the compiled loss
+    through `compute_loss(x=, y=, y_pred=)`, and `optimizer.apply`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.out = keras.layers.Dense(32, "relu"), keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.out(self.dense(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GuideStepModel(Zoo3):
+    """subclassed `keras.Model` built by `build(shape)`, its `train_step` as keras.io writes it"""
+
+    def arrays(self, split):
+        return _numbers(split, width=5)
+
+    def build_model(self):
+        model = GuideModel()
+        model.build((None, 5))
+        return model
+
+
 class MixedPrecisionModel(Zoo3):
     """the `mixed_float16` policy"""
 
@@ -443,7 +483,7 @@ CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel,
+    OwnStepsModel, MixedPrecisionModel, GuideStepModel,
     StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel)}
 
 

@@ -112,11 +112,34 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
-    """The optimizer's slots, now (under `slot_device`), so that they can be placed;
-    the metrics' and the loss tracker's variables too (`prebuild`)."""
+    """The model's variables, then the optimizer's slots of them (under `slot_device`,
+    so that they can be placed), then the metrics' and the loss tracker's variables."""
+    build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
     prebuild(model, dataset_fn)
+
+
+def _element_spec(dataset_fn):
+    return dataset_fn(tf.distribute.InputContext()).element_spec
+
+
+def build_layers(model: keras.Model, dataset_fn) -> None:
+    """Create the variables of every layer of `model` not built yet, from the shapes of
+    the features `dataset_fn`'s elements hold, before anything is built from them.
+
+    `Model.build(shape)` on a subclassed model without a `build` of its own (as
+    keras.io's "Customizing what happens in fit()" builds one) marks it built and
+    creates no variable (Keras 3.15 layer.py, `Layer.build`: a warning); its layers
+    are built at its first call. Keras' own fit calls it before it builds the
+    optimizer (`Trainer._symbolic_build`); built first, the optimizer knew no variable
+    and the first step failed with "Unknown variable". A symbolic call, as Keras makes.
+    """
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    features = keras.utils.unpack_x_y_sample_weight(_element_spec(dataset_fn))[0]
+    model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), features),
+          training=False)
 
 
 def prebuild(model: keras.Model, dataset_fn) -> None:
@@ -131,7 +154,7 @@ def prebuild(model: keras.Model, dataset_fn) -> None:
     skipped. Under ParameterServerStrategy no step may create variables on a
     worker, so they must exist before the first one is scheduled.
     """
-    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    spec = _element_spec(dataset_fn)
     model._symbolic_build(data_batch=tf.nest.map_structure(_blank, spec))
     model._maybe_symbolic_build = _built
 
@@ -160,6 +183,7 @@ LOOP_BACKUP = True
 def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
     """Ready `model` for steps scheduled on a ClusterCoordinator: what they run."""
     keras3_ps.atomic_updates()
+    build_layers(model, dataset_fn)  # the variables Steps builds the optimizer for
     steps = keras3_ps.Steps(model, task, slot_device)
     prebuild(model, dataset_fn)
     return steps
