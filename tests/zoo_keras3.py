@@ -365,6 +365,36 @@ class GuideStepModel(Zoo3):
         return model
 
 
+class _TokenAndPosition(keras.layers.Layer):
+    """Token and position embeddings; its class name begins with an underscore, so Keras
+    names it `__token_and_position` (and its variables' TensorFlow names begin so)."""
+
+    def __init__(self, vocabulary: int, length: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocabulary, dim)
+        self.positions = keras.layers.Embedding(length, dim)
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+
+class TransformerModel(Zoo3):
+    """a Transformer block after a custom layer whose class name begins with `_`"""
+
+    def arrays(self, split):
+        n = TRAIN if split == "train" else TEST
+        ids = _rng(split).integers(0, 12, (n, 6))
+        return ids, (ids[:, 0] < 6).astype(np.int64)
+
+    def build_model(self):
+        ids = keras.Input((6,), dtype="int64")
+        x = _TokenAndPosition(12, 6, 8)(ids)
+        attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(x, x)
+        x = keras.layers.LayerNormalization()(x + attended)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(8, "relu")(x))
+        return _classifier(ids, keras.layers.GlobalAveragePooling1D()(x))
+
+
 class MixedPrecisionModel(Zoo3):
     """the `mixed_float16` policy"""
 
@@ -483,7 +513,7 @@ CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel, GuideStepModel,
+    OwnStepsModel, MixedPrecisionModel, GuideStepModel, TransformerModel,
     StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel)}
 
 

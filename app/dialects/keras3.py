@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
-from app import preemption
+from app import preemption, tf_internal
 from app import strategy as strategies
 from app.config import ConfigError
 from app.dialects import keras3_ps
@@ -412,17 +412,24 @@ def export(model: keras.Model, directory: pathlib.Path) -> None:
             os.remove(tmp)
 
 
+# The root of every variable's name in the SavedModel's graph (`_export`).
+EXPORT_SCOPE = "model"
+
+
 def _export(model: keras.Model, path: pathlib.Path) -> None:
     # What `model.export` writes, with the forward pass in inference mode: Keras 3.15
     # exports `model.__call__` with `training` unset, and its random layers
-    # (RandomFlip, RandomRotation, ...) then augment each request.
+    # (RandomFlip, RandomRotation, ...) then augment each request. Its variables are
+    # named under the project's own root scope: Keras' names, from its layers', may
+    # not be valid roots (`tf_internal.exported_names`).
     from keras.src.export.export_utils import get_input_signature  # Keras 3.15
 
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint("serve", tf.function(lambda *inputs: model(*inputs, training=False)),
                          input_signature=get_input_signature(model))
-    archive.write_out(str(path), verbose=False)
+    with tf_internal.exported_names(lambda name: f"{EXPORT_SCOPE}/{name}"):
+        archive.write_out(str(path), verbose=False)
 
 
 def check_runner(kind: str, config, task) -> None:
