@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 import tf_keras  # only the MIXED_DIALECT tasks at the end, which must be refused
-from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _words
+from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _structured, _words
 
 
 class Zoo3(Zoo):
@@ -409,25 +409,13 @@ class MixedPrecisionModel(Zoo3):
         return keras.Model(x, keras.layers.Dense(2, dtype="float32")(hidden))
 
 
-# -- Keras 3 preprocessing layers tests/zoo.py does not cover ---------------------------------
-
-CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
-
+# -- Keras 3 preprocessing layers, the first of which tests/zoo.py covers too ----------------------
 
 class StructuredDataModel(Zoo3):
     """dicts: adapted `Discretization`, one-hot `IntegerLookup`, `CategoryEncoding`, `Hashing`"""
 
     def arrays(self, split):
-        n = TRAIN if split == "train" else TEST
-        rng = _rng(split)
-        age = rng.normal(40, 12, (n, 1)).astype(np.float32)
-        code = rng.choice([3, 5, 11, 42], (n, 1))
-        city = rng.integers(0, len(CITIES), (n, 1))
-        rooms = rng.integers(0, 5, (n, 1))
-        votes = (age[:, 0] > 40).astype(int) + np.isin(code[:, 0], [5, 42]) + city[:, 0] % 2
-        features = {"age": age, "code": code, "city": CITIES[city].astype(object),
-                    "rooms": rooms}
-        return features, (votes >= 2).astype(np.int64)
+        return _structured(split)
 
     def build_model(self):
         train = self.arrays("train")[0]
