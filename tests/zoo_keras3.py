@@ -497,6 +497,20 @@ class AugmentationModel(Zoo3):
         return _classifier(images, keras.layers.GlobalAveragePooling2D()(hidden))
 
 
+class UnexportableModel(Zoo3):
+    """Not a case: a model that trains and whose SavedModel TensorFlow refuses (an input
+    named "a feature": "Got non-flat/non-unique argument names for SavedModel signature";
+    tests/test_train_cli.py: a failed export costs the run nothing but its export)."""
+
+    def arrays(self, split):
+        x, y = _numbers(split)
+        return {"a feature": x}, y
+
+    def build_model(self):
+        x = keras.Input((4,), name="a feature")
+        return _classifier({"a feature": x}, keras.layers.Dense(8, "relu")(x))
+
+
 CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,

@@ -398,10 +398,22 @@ def _flat(logs: dict) -> dict:
 
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:
-    """`directory`/export, a SavedModel whose `serve` takes the model's raw input
-    and predicts as `model(inputs, training=False)` does, and `directory`/model.keras;
-    each whole or absent."""
-    save_dir(directory / "export", lambda path: _export(model, path))
+    """`directory`/model.keras, then `directory`/export, a SavedModel whose `serve`
+    takes the model's raw input and predicts as `model(inputs, training=False)` does;
+    each whole or absent. The SavedModel is attempted whether or not the .keras file
+    could be written; the first failure is raised once both are done."""
+    failures = []
+    for write in (lambda: _save_keras_file(model, directory),
+                  lambda: save_dir(directory / "export", lambda path: _export(model, path))):
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - raised below, after the other one
+            failures.append(e)
+    if failures:
+        raise failures[0]
+
+
+def _save_keras_file(model: keras.Model, directory: pathlib.Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".model-", suffix=".keras")
     os.close(fd)
     try:
