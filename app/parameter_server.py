@@ -35,13 +35,37 @@ def partitioner(ps: PSConfig, num_ps: int
     if ps.partitioner == "none":
         return None
     if ps.partitioner == "min_size":
-        return partitioners.MinSizePartitioner(min_shard_bytes=ps.shard_bytes, max_shards=num_ps)
-    if ps.partitioner == "max_size":
-        return partitioners.MaxSizePartitioner(max_shard_bytes=ps.shard_bytes)
-    if ps.partitioner == "fixed":
-        return partitioners.FixedShardsPartitioner(ps.num_shards or num_ps)
-    raise ConfigError(f"ps.partitioner = {ps.partitioner!r} is not one of "
-                      "min_size, max_size, fixed, none")
+        chosen = partitioners.MinSizePartitioner(min_shard_bytes=ps.shard_bytes, max_shards=num_ps)
+    elif ps.partitioner == "max_size":
+        chosen = partitioners.MaxSizePartitioner(max_shard_bytes=ps.shard_bytes)
+    elif ps.partitioner == "fixed":
+        chosen = partitioners.FixedShardsPartitioner(ps.num_shards or num_ps)
+    else:
+        raise ConfigError(f"ps.partitioner = {ps.partitioner!r} is not one of "
+                          "min_size, max_size, fixed, none")
+    return KnownShapes(chosen)
+
+
+class KnownShapes(tf.distribute.experimental.partitioners.Partitioner):
+    """`partitioner`, for variables whose shape is known; one shard for the others.
+
+    TensorFlow 2.21's ParameterServerStrategy asks the partitioner about every
+    variable of rank 1 or more, and its partitioners need the whole shape: the size
+    ones multiply `shape.num_elements()`, None for a partly known shape
+    (partitioned_variables.py, `min_max_variable_partitioner`: "unsupported operand
+    type(s) for *: 'NoneType' and 'int'"), the fixed one takes the first dimension.
+    tf_keras' `Discretization` makes its `summary` of shape (2, None) when it is
+    adapted, in the strategy's scope: the chief failed in `build_model`. A variable
+    whose shape can change cannot be split anyway. No TensorFlow issue found.
+    """
+
+    def __init__(self, partitioner: tf.distribute.experimental.partitioners.Partitioner):
+        self.partitioner = partitioner
+
+    def __call__(self, shape, dtype, axis=0):
+        if not shape.is_fully_defined():
+            return [1] * shape.rank
+        return self.partitioner(shape, dtype, axis)
 
 
 def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
@@ -242,9 +266,17 @@ def placement(variables: Iterable[tf.Variable], num_ps: int) -> Placement:
             task = tf.DeviceSpec.from_string(part.device).task
             if task is None:
                 raise ValueError(f"variable {part.name} is on {part.device!r}, not a ps task")
-            shards.append(Shard(base_name(part.name), task, tuple(part.shape),
-                                part.shape.num_elements() * part.dtype.size))
+            shards.append(Shard(base_name(part.name), task, tuple(part.shape), _bytes(part)))
     return Placement(num_ps, tuple(shards), tuple(others))
+
+
+def _bytes(variable: tf.Variable) -> int:
+    """The bytes `variable` holds; one whose shape is not fixed (tf_keras' adapted
+    `Discretization` keeps a summary of shape (2, None)) counts what it holds now."""
+    elements = variable.shape.num_elements()
+    if elements is None:
+        elements = int(tf.size(variable))
+    return elements * variable.dtype.size
 
 
 def gather_weights(model) -> list[np.ndarray]:

@@ -11,9 +11,16 @@ these, only this module breaks, and only the runs that use it:
 - `sleep`: tf.data's testing sleep transformation, the one sleep that can run
   inside a remote function without burning a core; only `debug.slow_worker`
   (straggler injection) imports it. If it moves, only that debug switch breaks.
+- `exported_names`: the function through which `tf.saved_model.save` copies each
+  variable into the SavedModel's graph, named as the variable is. If it moves,
+  `tests/test_dialects.py` fails on an export with a layer whose name begins with
+  `_`; the public way is to rename the layer.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
 
 import tensorflow as tf
 
@@ -44,3 +51,39 @@ def uninitialized_variable(shape, dtype, name=None, trainable=None):
     return resource_variable_ops.UninitializedVariable(
         shape=shape, dtype=tf.as_dtype(dtype), name=name,
         trainable=True if trainable is None else trainable)
+
+
+@contextlib.contextmanager
+def exported_names(rename: Callable[[str], str]) -> Iterator[None]:
+    """Within it, a SavedModel being written names the copy of each variable `name`
+    `rename(name)`; the variables themselves keep their names.
+
+    `tf.saved_model.save` copies each variable into the graph it writes under the
+    variable's own name, as a root name scope (TF 2.21 resource_variable_ops.py,
+    `copy_to_graph_uninitialized`), and a root scope may not begin with `_`. A
+    Keras 3 variable is named after its layer, which Keras names after its class
+    in snake case: a layer class `_TokenAndPosition` names its variables
+    `__token_and_position/...`, which train (eager scopes are not checked) and
+    cannot be exported ("is not a valid root scope name"). No TensorFlow or Keras
+    issue covers this (searched); pytorch/xla#5738 renames its variables for the
+    same reason.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    copy = resource_variable_ops.copy_to_graph_uninitialized
+    resource_variable_ops.copy_to_graph_uninitialized = (
+        lambda var: copy(_Renamed(var, rename(var._shared_name))))
+    try:
+        yield
+    finally:
+        resource_variable_ops.copy_to_graph_uninitialized = copy
+
+
+class _Renamed:
+    """`variable` under another `_shared_name`, for `copy_to_graph_uninitialized`."""
+
+    def __init__(self, variable, name: str):
+        self._variable, self._shared_name = variable, name
+
+    def __getattr__(self, attribute):
+        return getattr(self._variable, attribute)

@@ -191,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         lost_code = e.exit_code  # left outside this block: its traceback holds the run
+    except workdirs.ExportFailed as e:
+        # The run finished (its ps and worker tasks were told so) but for the export.
+        print(trainer.summary_line(e.metrics))
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
     except Exception as e:
         if not memory.is_out_of_memory(e):
             if not chief_failure.applies(cluster):

@@ -20,7 +20,7 @@ from app import callbacks, data, data_service, dialects, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
-from app.workdir import METRICS_FILE, storage_error, write_json
+from app.workdir import METRICS_FILE, ExportFailed, storage_error, write_json
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +72,40 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
                                        config.cluster.connect_timeout_s).wrap(train_fn)
     history = runner.fit(model, train_fn, run_callbacks, steps_per_epoch, workdir)
     test = evaluate(test_ds)
-    # Whole or absent, never half-written.
-    runner.dialect.export(task.serving_model(runner.serving(model)), outdir)
+    export_failure = _export(runner, task, model, outdir, workdir)
     metrics = {**_common(config, task, runner, history, model, test, throughput,
                          earlier=callbacks.earlier_history(run_callbacks)),
                "keras": runner.dialect.NAME,
                "wall_seconds": round(time.perf_counter() - start, 2),
                **runner.metrics(model), **task.report(model, test)}
+    if export_failure:
+        metrics["export_error"] = export_failure
     if runner.writes:
         write_json(workdir / METRICS_FILE, metrics)  # the evaluator may be waiting for it
     runner.finish(outdir, workdir)
+    if export_failure:
+        raise ExportFailed(
+            f"the export failed ({export_failure}); the run trained and wrote metrics.json, "
+            "its checkpoints and, in Keras 3, model.keras: docs/troubleshooting.md says how "
+            f"to export from them (exit code {ExportFailed.exit_code})", metrics)
     return metrics
+
+
+def _export(runner: runners.SingleHost, task: Task, model, outdir: pathlib.Path,
+            workdir: pathlib.Path) -> str | None:
+    """Export the trained model (each file whole or absent); what went wrong, in one
+    line, if it could not be. A trained run is not lost to its export: the caller
+    writes metrics.json either way. A full or read-only workdir is raised as such."""
+    try:
+        runner.dialect.export(task.serving_model(runner.serving(model)), outdir)
+    except Exception as e:  # noqa: BLE001 - a model Keras trains may still fail to export
+        if storage_error(e, workdir) is not None:
+            raise
+        log.debug("the export failed", exc_info=True)
+        first_line = (str(e).strip().splitlines() or [""])[0]
+        log.warning("the export failed: %s: %s", type(e).__name__, first_line)
+        return f"{type(e).__name__}: {first_line}"
+    return None
 
 
 def _steps_per_epoch(config: Config, task: Task) -> int:

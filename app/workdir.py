@@ -31,6 +31,20 @@ class StorageError(cfg.ConfigError):
     mistake it ends the run with exit code 2, as restarting cannot fix it."""
 
 
+class ExportFailed(RuntimeError):
+    """The run trained and wrote its results, and its SavedModel (or .keras file)
+    could not be written: `metrics` are the run's, written to metrics.json."""
+
+    # Not retried by launchers: the same model fails to export again, and a relaunch
+    # finds the finished run's metrics.json (exit 2). Below 128, so that Kubeflow's
+    # ExitCode policy fails the job rather than restart it (docs/troubleshooting.md).
+    exit_code = 6
+
+    def __init__(self, message: str, metrics: dict[str, Any]):
+        super().__init__(message)
+        self.metrics = metrics
+
+
 def default_path() -> pathlib.Path:
     return pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
 

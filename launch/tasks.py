@@ -25,16 +25,20 @@ from collections.abc import Callable
 from app.cluster import TaskLost
 from app.memory import EXIT_CODE as OUT_OF_MEMORY
 from app.preemption import EXIT_CODE as PREEMPTED
+from app.workdir import ExportFailed
 
 STOP_GRACE_S = 15  # a ps/worker exits within a second or two of a finished chief
 EVALUATOR_GRACE_S = 300
-# What app.train's exit codes mean. Relaunches follow any failure but 2 and 5: a
-# configuration or storage mistake, or a task out of its memory limit, would fail
-# again, where a lost task, a preemption (the backup saved) or a crash need not.
+# What app.train's exit codes mean. Relaunches follow any failure but 2, 5 and 6: a
+# configuration or storage mistake, a task out of its memory limit, or a model that
+# cannot be exported would fail again, where a lost task, a preemption (the backup
+# saved) or a crash need not.
 EXIT_CODES = {2: "configuration or storage error", TaskLost.exit_code: "a task was lost",
               PREEMPTED: "preempted, backup saved",
-              OUT_OF_MEMORY: "out of its memory limit, runtime.memory_limit_gib"}
-NOT_RETRIED = (0, 2, OUT_OF_MEMORY)  # out of memory again, with the same limit
+              OUT_OF_MEMORY: "out of its memory limit, runtime.memory_limit_gib",
+              ExportFailed.exit_code: "trained, but the export failed"}
+# Out of memory again with the same limit; an export that failed after a finished run.
+NOT_RETRIED = (0, 2, OUT_OF_MEMORY, ExportFailed.exit_code)
 
 
 class Task:

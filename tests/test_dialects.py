@@ -135,3 +135,24 @@ def test_the_fused_adam_steps_as_keras_own_adam_does(mirrored):
     for keras_own, fused in zip(*trained, strict=True):  # float32 rounding apart
         np.testing.assert_allclose(fused, keras_own, rtol=1e-4, atol=1e-5)
     assert "update_step" in vars(keras3.optimizer("adam", 0.05, config()))  # the fused one
+
+
+def test_a_keras3_export_does_not_depend_on_the_names_keras_gives_layers(tmp_path):
+    # A layer class `_Scaled` is named `__scaled`, and so are its variables: TensorFlow
+    # refuses that as a root name scope when it copies them into the SavedModel's graph.
+    class _Scaled(keras.layers.Layer):
+        def build(self, input_shape):
+            self.scale = self.add_weight(shape=(input_shape[-1],), initializer="ones")
+
+        def call(self, x):
+            return x * self.scale
+
+    x = keras.Input((3,))
+    model = keras.Model(x, keras.layers.Dense(2)(_Scaled()(x)))
+    assert model.layers[1].scale.value.name.startswith("__scaled/")
+    keras3.export(model, tmp_path)
+    features = np.arange(6, dtype="float32").reshape(2, 3)
+    exported = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(exported.serve(features), model(features), atol=1e-6)
+    assert model.layers[1].scale.value.name.startswith("__scaled/")  # the model's, unchanged
+    assert (tmp_path / keras3.KERAS_FILE).exists()

@@ -127,3 +127,11 @@ def test_a_lookup_table_is_listed_as_not_a_variable_and_placed_nowhere():
     report = "\n".join(placement.report())
     assert "not a variable (a lookup table or other resource): not placed" in report
     assert {s.variable.rsplit("/", 1)[-1] for s in placement.shards} >= {"embeddings", "kernel"}
+
+
+def test_a_variable_of_unknown_shape_is_left_whole():
+    # tf_keras' adapted Discretization makes a (2, None) summary in the strategy's scope;
+    # TensorFlow's size partitioners multiply its None (and the chief failed).
+    for setting in (["ps.partitioner=min_size"], ["ps.partitioner=fixed"]):
+        split = parameter_server.partitioner(cfg.load(None, setting).ps, num_ps=2)
+        assert split(tf.TensorShape([2, None]), tf.float32) == [1, 1]

@@ -85,3 +85,18 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in result.stderr
+
+
+def test_a_failed_export_ends_a_trained_run_with_one_line_and_exit_6(tmp_path):
+    workdir = tmp_path / "w"
+    result = run_cli("--set", "task.name=zoo_keras3:UnexportableModel", "--set", "train.epochs=1",
+                     "--set", "train.global_batch_size=16", "--set", "train.verbose=0",
+                     "--workdir", str(workdir), cwd=os.path.dirname(__file__))
+    assert result.returncode == 6, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: the export failed ("), last
+    assert "docs/troubleshooting.md" in last and "Traceback" not in result.stderr
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    assert metrics["export_error"] in last and metrics["steps"] == 4
+    assert (workdir / "model.keras").exists() and list((workdir / "checkpoints").iterdir())
+    assert not (workdir / "export").exists()  # whole or absent

@@ -358,8 +358,49 @@ class MixedPrecisionModel(Zoo):
         return keras.Model(x, keras.layers.Dense(2, dtype="float32")(hidden))
 
 
+CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
+
+
+def _structured(split: str) -> tuple[dict, np.ndarray]:
+    """A table of mixed columns, as TensorFlow's "classify structured data with
+    preprocessing layers" tutorial has: a number, an integer code, a string, a count."""
+    n = TRAIN if split == "train" else TEST
+    rng = _rng(split)
+    age = rng.normal(40, 12, (n, 1)).astype(np.float32)
+    code = rng.choice([3, 5, 11, 42], (n, 1))
+    city = rng.integers(0, len(CITIES), (n, 1))
+    rooms = rng.integers(0, 5, (n, 1))
+    votes = (age[:, 0] > 40).astype(int) + np.isin(code[:, 0], [5, 42]) + city[:, 0] % 2
+    features = {"age": age, "code": code, "city": CITIES[city].astype(object), "rooms": rooms}
+    return features, (votes >= 2).astype(np.int64)
+
+
+class StructuredDataModel(Zoo):
+    """dicts: adapted `Discretization`, one-hot `IntegerLookup`, `CategoryEncoding`, `Hashing`"""
+
+    def arrays(self, split):
+        return _structured(split)
+
+    def build_model(self):
+        train = self.arrays("train")[0]
+        inputs = {"age": keras.Input((1,), name="age"),
+                  "code": keras.Input((1,), name="code", dtype="int64"),
+                  "city": keras.Input((1,), name="city", dtype="string"),
+                  "rooms": keras.Input((1,), name="rooms", dtype="int64")}
+        buckets = keras.layers.Discretization(num_bins=4)
+        buckets.adapt(train["age"])  # quantiles of the training ages
+        codes = keras.layers.IntegerLookup(output_mode="one_hot")
+        codes.adapt(train["code"])
+        encoded = [keras.layers.CategoryEncoding(4, output_mode="one_hot")(buckets(inputs["age"])),
+                   codes(inputs["code"]),
+                   keras.layers.Hashing(num_bins=16, output_mode="one_hot")(inputs["city"]),
+                   keras.layers.CategoryEncoding(5, output_mode="one_hot")(inputs["rooms"])]
+        hidden = keras.layers.Dense(8, "relu")(keras.layers.Concatenate()(encoded))
+        return _classifier(inputs, hidden)
+
+
 CASES: dict[str, type[Zoo]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel)}
+    OwnStepsModel, MixedPrecisionModel, StructuredDataModel)}

@@ -24,7 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 import tf_keras  # only the MIXED_DIALECT tasks at the end, which must be refused
-from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _words
+from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _structured, _words
 
 
 class Zoo3(Zoo):
@@ -325,6 +325,76 @@ class OwnStepsModel(Zoo3):
         return model
 
 
+class GuideModel(keras.Model):
+    """keras.io's "Customizing what happens in fit() with TensorFlow", as a new user
+    writes it: layers made in `__init__`, no `build` of its own (so `Model.build(shape)`
+    creates no variable: its layers are built at the first call), the compiled loss
+    through `compute_loss(x=, y=, y_pred=)`, and `optimizer.apply`."""
+
+    def __init__(self):
+        super().__init__()
+        self.dense, self.out = keras.layers.Dense(32, "relu"), keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.out(self.dense(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        for metric in self.metrics:
+            if metric.name == "loss":
+                metric.update_state(loss)
+            else:
+                metric.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GuideStepModel(Zoo3):
+    """subclassed `keras.Model` built by `build(shape)`, its `train_step` as keras.io writes it"""
+
+    def arrays(self, split):
+        return _numbers(split, width=5)
+
+    def build_model(self):
+        model = GuideModel()
+        model.build((None, 5))
+        return model
+
+
+class _TokenAndPosition(keras.layers.Layer):
+    """Token and position embeddings; its class name begins with an underscore, so Keras
+    names it `__token_and_position` (and its variables' TensorFlow names begin so)."""
+
+    def __init__(self, vocabulary: int, length: int, dim: int, **kwargs):
+        super().__init__(**kwargs)
+        self.tokens = keras.layers.Embedding(vocabulary, dim)
+        self.positions = keras.layers.Embedding(length, dim)
+
+    def call(self, ids):
+        return self.tokens(ids) + self.positions(keras.ops.arange(keras.ops.shape(ids)[-1]))
+
+
+class TransformerModel(Zoo3):
+    """a Transformer block after a custom layer whose class name begins with `_`"""
+
+    def arrays(self, split):
+        n = TRAIN if split == "train" else TEST
+        ids = _rng(split).integers(0, 12, (n, 6))
+        return ids, (ids[:, 0] < 6).astype(np.int64)
+
+    def build_model(self):
+        ids = keras.Input((6,), dtype="int64")
+        x = _TokenAndPosition(12, 6, 8)(ids)
+        attended = keras.layers.MultiHeadAttention(num_heads=2, key_dim=4)(x, x)
+        x = keras.layers.LayerNormalization()(x + attended)
+        x = keras.layers.LayerNormalization()(x + keras.layers.Dense(8, "relu")(x))
+        return _classifier(ids, keras.layers.GlobalAveragePooling1D()(x))
+
+
 class MixedPrecisionModel(Zoo3):
     """the `mixed_float16` policy"""
 
@@ -339,25 +409,13 @@ class MixedPrecisionModel(Zoo3):
         return keras.Model(x, keras.layers.Dense(2, dtype="float32")(hidden))
 
 
-# -- Keras 3 preprocessing layers tests/zoo.py does not cover ---------------------------------
-
-CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
-
+# -- Keras 3 preprocessing layers, the first of which tests/zoo.py covers too ----------------------
 
 class StructuredDataModel(Zoo3):
     """dicts: adapted `Discretization`, one-hot `IntegerLookup`, `CategoryEncoding`, `Hashing`"""
 
     def arrays(self, split):
-        n = TRAIN if split == "train" else TEST
-        rng = _rng(split)
-        age = rng.normal(40, 12, (n, 1)).astype(np.float32)
-        code = rng.choice([3, 5, 11, 42], (n, 1))
-        city = rng.integers(0, len(CITIES), (n, 1))
-        rooms = rng.integers(0, 5, (n, 1))
-        votes = (age[:, 0] > 40).astype(int) + np.isin(code[:, 0], [5, 42]) + city[:, 0] % 2
-        features = {"age": age, "code": code, "city": CITIES[city].astype(object),
-                    "rooms": rooms}
-        return features, (votes >= 2).astype(np.int64)
+        return _structured(split)
 
     def build_model(self):
         train = self.arrays("train")[0]
@@ -439,11 +497,25 @@ class AugmentationModel(Zoo3):
         return _classifier(images, keras.layers.GlobalAveragePooling2D()(hidden))
 
 
+class UnexportableModel(Zoo3):
+    """Not a case: a model that trains and whose SavedModel TensorFlow refuses (an input
+    named "a feature": "Got non-flat/non-unique argument names for SavedModel signature";
+    tests/test_train_cli.py: a failed export costs the run nothing but its export)."""
+
+    def arrays(self, split):
+        x, y = _numbers(split)
+        return {"a feature": x}, y
+
+    def build_model(self):
+        x = keras.Input((4,), name="a feature")
+        return _classifier({"a feature": x}, keras.layers.Dense(8, "relu")(x))
+
+
 CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel,
+    OwnStepsModel, MixedPrecisionModel, GuideStepModel, TransformerModel,
     StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel)}
 
 

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
-from app import preemption
+from app import preemption, tf_internal
 from app import strategy as strategies
 from app.config import ConfigError
 from app.dialects import keras3_ps
@@ -112,11 +112,34 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
-    """The optimizer's slots, now (under `slot_device`), so that they can be placed;
-    the metrics' and the loss tracker's variables too (`prebuild`)."""
+    """The model's variables, then the optimizer's slots of them (under `slot_device`,
+    so that they can be placed), then the metrics' and the loss tracker's variables."""
+    build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
     prebuild(model, dataset_fn)
+
+
+def _element_spec(dataset_fn):
+    return dataset_fn(tf.distribute.InputContext()).element_spec
+
+
+def build_layers(model: keras.Model, dataset_fn) -> None:
+    """Create the variables of every layer of `model` not built yet, from the shapes of
+    the features `dataset_fn`'s elements hold, before anything is built from them.
+
+    `Model.build(shape)` on a subclassed model without a `build` of its own (as
+    keras.io's "Customizing what happens in fit()" builds one) marks it built and
+    creates no variable (Keras 3.15 layer.py, `Layer.build`: a warning); its layers
+    are built at its first call. Keras' own fit calls it before it builds the
+    optimizer (`Trainer._symbolic_build`); built first, the optimizer knew no variable
+    and the first step failed with "Unknown variable". A symbolic call, as Keras makes.
+    """
+    if all(layer.built for layer in model._flatten_layers()):
+        return
+    features = keras.utils.unpack_x_y_sample_weight(_element_spec(dataset_fn))[0]
+    model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), features),
+          training=False)
 
 
 def prebuild(model: keras.Model, dataset_fn) -> None:
@@ -131,7 +154,7 @@ def prebuild(model: keras.Model, dataset_fn) -> None:
     skipped. Under ParameterServerStrategy no step may create variables on a
     worker, so they must exist before the first one is scheduled.
     """
-    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    spec = _element_spec(dataset_fn)
     model._symbolic_build(data_batch=tf.nest.map_structure(_blank, spec))
     model._maybe_symbolic_build = _built
 
@@ -160,6 +183,7 @@ LOOP_BACKUP = True
 def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
     """Ready `model` for steps scheduled on a ClusterCoordinator: what they run."""
     keras3_ps.atomic_updates()
+    build_layers(model, dataset_fn)  # the variables Steps builds the optimizer for
     steps = keras3_ps.Steps(model, task, slot_device)
     prebuild(model, dataset_fn)
     return steps
@@ -374,10 +398,22 @@ def _flat(logs: dict) -> dict:
 
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:
-    """`directory`/export, a SavedModel whose `serve` takes the model's raw input
-    and predicts as `model(inputs, training=False)` does, and `directory`/model.keras;
-    each whole or absent."""
-    save_dir(directory / "export", lambda path: _export(model, path))
+    """`directory`/model.keras, then `directory`/export, a SavedModel whose `serve`
+    takes the model's raw input and predicts as `model(inputs, training=False)` does;
+    each whole or absent. The SavedModel is attempted whether or not the .keras file
+    could be written; the first failure is raised once both are done."""
+    failures = []
+    for write in (lambda: _save_keras_file(model, directory),
+                  lambda: save_dir(directory / "export", lambda path: _export(model, path))):
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - raised below, after the other one
+            failures.append(e)
+    if failures:
+        raise failures[0]
+
+
+def _save_keras_file(model: keras.Model, directory: pathlib.Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".model-", suffix=".keras")
     os.close(fd)
     try:
@@ -388,17 +424,24 @@ def export(model: keras.Model, directory: pathlib.Path) -> None:
             os.remove(tmp)
 
 
+# The root of every variable's name in the SavedModel's graph (`_export`).
+EXPORT_SCOPE = "model"
+
+
 def _export(model: keras.Model, path: pathlib.Path) -> None:
     # What `model.export` writes, with the forward pass in inference mode: Keras 3.15
     # exports `model.__call__` with `training` unset, and its random layers
-    # (RandomFlip, RandomRotation, ...) then augment each request.
+    # (RandomFlip, RandomRotation, ...) then augment each request. Its variables are
+    # named under the project's own root scope: Keras' names, from its layers', may
+    # not be valid roots (`tf_internal.exported_names`).
     from keras.src.export.export_utils import get_input_signature  # Keras 3.15
 
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint("serve", tf.function(lambda *inputs: model(*inputs, training=False)),
                          input_signature=get_input_signature(model))
-    archive.write_out(str(path), verbose=False)
+    with tf_internal.exported_names(lambda name: f"{EXPORT_SCOPE}/{name}"):
+        archive.write_out(str(path), verbose=False)
 
 
 def check_runner(kind: str, config, task) -> None:

@@ -62,8 +62,8 @@ class SplitOptimizer(keras.optimizers.Optimizer):
     """Embedding tables (`is_table`) with one Keras 3 optimizer, all other variables with
     another. Each applies its own gradients as it would alone (aggregated over
     replicas, each variable updated where it lives). `iterations` is the dense
-    optimizer's count; checkpoints hold both, with their slots, as `tables` and
-    `dense`."""
+    optimizer's count, and the pair's own counter counts the same steps; checkpoints
+    hold both optimizers, with their slots, as `tables` and `dense`."""
 
     def __init__(self, tables: keras.optimizers.Optimizer, dense: keras.optimizers.Optimizer,
                  name: str = "split_optimizer", **kwargs):
@@ -102,6 +102,13 @@ class SplitOptimizer(keras.optimizers.Optimizer):
         if tables:
             self.tables.apply([g for g, _ in tables], [v for _, v in tables])
         self.dense.apply([g for g, _ in dense], [v for _, v in dense])
+        # Keras' Optimizer has a counter of its own, which only its own `apply` moves:
+        # a checkpoint's optimizer/_iterations read 0 after any number of steps, as
+        # does whatever reads `_iterations` (Keras 3.15 base_optimizer.py: a schedule,
+        # `_get_current_learning_rate`). Not shared with the dense optimizer's: a backup
+        # written before this held 0 in it, and restoring that into a shared counter
+        # set the dense one's (Adam's bias correction) back to 0.
+        self._iterations.assign_add(1)
 
     def get_config(self):
         return {"name": self.name, "tables": keras.optimizers.serialize(self.tables),
