@@ -6,6 +6,7 @@ import argparse
 import datetime
 import errno
 import json
+import logging
 import os
 import pathlib
 import shutil
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from app import config as cfg
+
+log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.json"
 BACKUP_DIR = "backup"
@@ -57,9 +60,16 @@ def given(train_args: list[str]) -> str | None:
     return parser.parse_known_args(train_args)[0].workdir
 
 
-# Settings that say where a run's parts are, not what it trains: a resumed run may
-# change them (a relaunched tf.data service listens on a new port).
-WHERE_NOT_WHAT = frozenset({"data.service"})
+# Settings that say how or where a run's parts run, not what it trains: a resumed
+# run may change them, and logs what changed. A relaunched tf.data service listens
+# on a new port; a launcher sets the thread counts per host (launch.local: cores /
+# workers, workers + 1), so a run resumed on fewer workers gets other ones; the
+# memory limit, the CPU allocator and a logical GPU's memory bound what a process
+# may hold, not what it computes. Not runtime.onednn (other kernels, other rounding)
+# nor cpu_devices / gpu_devices (the number of replicas of a Mirrored run).
+HOW_NOT_WHAT = frozenset({
+    "data.service", "runtime.intra_op_threads", "runtime.inter_op_threads",
+    "runtime.memory_limit_gib", "runtime.cpu_allocator", "runtime.gpu_device_memory_mib"})
 
 
 def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
@@ -77,14 +87,7 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
             "choose a new --workdir")
     saved = path / "config.toml"
     if saved.exists() and has_backup(path):
-        before = cfg.flatten(cfg.load(str(saved)))
-        changed = [f"{k}: {before.get(k)!r} -> {v!r}" for k, v in cfg.flatten(config).items()
-                   if before.get(k) != v and k not in WHERE_NOT_WHAT]
-        if changed:
-            raise cfg.ConfigError(
-                f"--workdir {path} holds an interrupted run with a different config "
-                f"({'; '.join(changed)}); resume it with the same config, or choose a new "
-                "--workdir")
+        _check_resumed_config(path, cfg.flatten(cfg.load(str(saved))), cfg.flatten(config))
     try:
         path.mkdir(parents=True, exist_ok=True)
         # Every task of a cluster writes it, while a relaunched peer may be reading
@@ -94,6 +97,21 @@ def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
     except OSError as e:
         raise storage_error(e, path) or e from None
     return path
+
+
+def _check_resumed_config(path: pathlib.Path, before: dict[str, Any],
+                          now: dict[str, Any]) -> None:
+    """Refuse a resume under another experiment; log the host settings that changed."""
+    changed = {k: (before.get(k), v) for k, v in now.items() if before.get(k) != v}
+    refused = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in HOW_NOT_WHAT]
+    if refused:
+        raise cfg.ConfigError(
+            f"--workdir {path} holds an interrupted run with a different config "
+            f"({'; '.join(refused)}); resume it with the same config, or choose a new "
+            "--workdir")
+    if changed:
+        log.info("resuming with %s", ", ".join(f"{k} {a!r} -> {b!r}"
+                                              for k, (a, b) in changed.items()))
 
 
 def has_backup(path: pathlib.Path) -> bool:

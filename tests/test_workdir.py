@@ -28,16 +28,43 @@ def test_finished_run_is_never_overwritten(tmp_path):
     assert (tmp_path / "metrics.json").read_text() == "{}"
 
 
+def interrupted(path: pathlib.Path, config: cfg.Config) -> None:
+    """`path` as a run under `config` leaves it when stopped after a backup."""
+    workdir.prepare(path, config)
+    (path / "backup" / "chief").mkdir(parents=True)
+    (path / "backup" / "chief" / "checkpoint").write_text("state")
+
+
 def test_interrupted_run_resumes_only_under_the_same_config(tmp_path):
-    workdir.prepare(tmp_path, cfg.Config())
-    (tmp_path / "backup" / "chief").mkdir(parents=True)
-    (tmp_path / "backup" / "chief" / "checkpoint").write_text("state")
+    interrupted(tmp_path, cfg.Config())
     assert workdir.prepare(tmp_path, cfg.Config()) == tmp_path
     with pytest.raises(cfg.ConfigError) as e:
         workdir.prepare(tmp_path, cfg.load(None, ["train.epochs=99"]))
     before = cfg.Config().train.epochs
     assert f"holds an interrupted run with a different config (train.epochs: {before} -> 99)" \
         in str(e.value)
+
+
+def test_a_resumed_run_may_run_on_other_hosts_and_says_what_changed(tmp_path, caplog):
+    # launch.local's thread settings for 2 workers, then for 1 (4 cores).
+    interrupted(tmp_path, cfg.load(None, ["runtime.intra_op_threads=2",
+                                          "runtime.inter_op_threads=3"]))
+    resumed = cfg.load(None, ["runtime.intra_op_threads=4", "runtime.inter_op_threads=2",
+                              "runtime.memory_limit_gib=2", "data.service=host:5050"])
+    with caplog.at_level("INFO", logger="app.workdir"):
+        assert workdir.prepare(tmp_path, resumed) == tmp_path
+    assert caplog.messages == [
+        "resuming with data.service '' -> 'host:5050', runtime.intra_op_threads 2 -> 4, "
+        "runtime.inter_op_threads 3 -> 2, runtime.memory_limit_gib 0.0 -> 2.0"]
+    assert cfg.load(str(tmp_path / "config.toml")) == resumed
+
+
+def test_host_settings_do_not_hide_a_change_of_experiment(tmp_path):
+    interrupted(tmp_path, cfg.Config())
+    with pytest.raises(cfg.ConfigError) as e:
+        workdir.prepare(tmp_path, cfg.load(None, ["runtime.intra_op_threads=4",
+                                                  "runtime.onednn=false"]))
+    assert "a different config (runtime.onednn: True -> False)" in str(e.value)
 
 
 def test_a_run_that_failed_before_training_is_simply_redone(tmp_path):
