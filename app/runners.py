@@ -95,6 +95,12 @@ class SingleHost:
         return 0
 
     @property
+    def shape(self) -> dict[str, Any]:
+        """The cluster this run trains on, as recorded beside its backup (workdir.SHAPE_FILE)."""
+        return {"strategy": self.name, "workers": self.num_workers, "ps": self.num_ps,
+                "replicas": self.num_replicas}
+
+    @property
     def input_batch(self) -> int:
         """The global batch the input pipelines split (`get_per_replica_batch_size`)."""
         return self.config.train.global_batch_size

@@ -20,7 +20,7 @@ from app import callbacks, data, data_service, dialects, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
-from app.workdir import METRICS_FILE, ExportFailed, storage_error, write_json
+from app.workdir import METRICS_FILE, ExportFailed, resume_shape, storage_error, write_json
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ def run(config: Config, workdir: pathlib.Path, *,
     restore_precision = dialects.set_precision(config.train.precision)
     data.use_storage(workdir)  # large in-memory arrays go through files there
     try:
+        # Before the backup is restored: a run it cannot resume under is refused untouched.
+        resume_shape(pathlib.Path(workdir), runner.shape, runner.writes)
         with runner.guard(pathlib.Path(workdir)):
             return _train(config, pathlib.Path(workdir), task, runner, steps_per_epoch)
     except (OSError, tf.errors.OpError) as e:

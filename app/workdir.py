@@ -22,6 +22,9 @@ METRICS_FILE = "metrics.json"
 BACKUP_DIR = "backup"
 CHECKPOINT_DIR = "checkpoints"  # ckpt-<epoch>, read by the evaluator
 HISTORY_FILE = "history.json"  # in BACKUP_DIR: the finished epochs' history rows
+# Beside config.toml: the cluster that wrote the backup (strategy, workers, ps,
+# replicas). Not in BACKUP_DIR, which any file there makes a backup to resume.
+SHAPE_FILE = "shape.json"
 
 # Why a write fails that no retry will fix, by errno (an OSError's) or by the
 # strerror text TensorFlow's file system puts in its errors' messages.
@@ -112,6 +115,56 @@ def _check_resumed_config(path: pathlib.Path, before: dict[str, Any],
     if changed:
         log.info("resuming with %s", ", ".join(f"{k} {a!r} -> {b!r}"
                                               for k, (a, b) in changed.items()))
+
+
+# Kinds of run whose backups the project does not resume into each other: their
+# checkpoints differ (a ps run's variables are sharded over ps tasks, its steps
+# counted by a coordinator) and no test shows such a resume to train correctly.
+# Every other strategy (default, Mirrored) is one process. The fix per earlier kind.
+_KINDS = {"ParameterServerStrategy": "a TF_CONFIG that has ps tasks",
+          "MultiWorkerMirroredStrategy": "a TF_CONFIG that has worker tasks and no ps tasks"}
+_ONE_PROCESS = "one process, without TF_CONFIG"
+
+
+def resume_shape(path: pathlib.Path, shape: dict[str, Any], writes: bool) -> None:
+    """Check that an interrupted run in `path` resumes under its kind of strategy, log
+    how its cluster `shape` changed, and (if this task `writes`) record the new one.
+
+    `shape`: strategy (a class name), workers, ps, replicas. Every task checks, so
+    that all of a cluster's tasks refuse alike; the refusal leaves the backup and
+    SHAPE_FILE as they were, for a resume under the right cluster."""
+    saved = path / SHAPE_FILE
+    if has_backup(path) and saved.exists():
+        before = json.loads(saved.read_text())
+        if _KINDS.get(before["strategy"]) != _KINDS.get(shape["strategy"]):
+            raise cfg.ConfigError(
+                f"--workdir {path} holds an interrupted {before['strategy']} run; resuming "
+                f"it under {shape['strategy']} is not supported: resume it with "
+                f"{_KINDS.get(before['strategy'], _ONE_PROCESS)}, or start a new --workdir")
+        changes = _shape_changes(before, shape)
+        if changes and writes:
+            log.info("resuming %s", ", ".join(changes))
+    if writes:
+        path.mkdir(parents=True, exist_ok=True)  # tests call trainer.run without prepare
+        write_json(saved, shape)
+
+
+def _shape_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """How the cluster `now` differs from the one `before`, as parts of one log line."""
+    def was(key: str, what: str) -> str:
+        return f"{now[key]} {what}{'' if now[key] == 1 else 's'} (was {before.get(key)})"
+
+    changes = []
+    if before.get("workers") != now["workers"]:
+        changes.append(f"on {was('workers', 'worker')}")
+    if before.get("ps") != now["ps"]:
+        # TensorFlow saves a ShardedVariable whole and restores it into any number of
+        # shards (its ShardedVariable docstring); the partitioner places it anew.
+        changes.append(f"with {was('ps', 'ps task')}: sharded variables are restored "
+                       "into the new number of shards")
+    if before.get("replicas") != now["replicas"]:
+        changes.append(f"with {was('replicas', 'replica')}")
+    return changes
 
 
 def has_backup(path: pathlib.Path) -> bool:

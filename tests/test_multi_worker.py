@@ -41,7 +41,8 @@ def test_two_workers_train_in_sync_and_write_results_once(tmp_path):
     losses = [epoch["loss"] for epoch in metrics["history"]]
     assert losses[1] < losses[0]
     assert sorted(p.name for p in run.iterdir()) == [
-        "backup", "checkpoints", "config.toml", "export", "metrics.json", "tensorboard"]
+        "backup", "checkpoints", "config.toml", "export", "metrics.json", "shape.json",
+        "tensorboard"]
 
 
 def test_a_killed_worker_is_relaunched_and_resumes_from_the_backup(tmp_path):

@@ -7,6 +7,7 @@ import tf_keras as keras
 
 from app import callbacks, dialects, strategy, trainer
 from app import config as cfg
+from app import workdir as workdirs
 from tests.conftest import one_device_reduction_mirrored, tiny_task
 
 FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_size",
@@ -38,6 +39,8 @@ def test_mirrored_run_reports_metrics_and_writes_artifacts(mirrored_run):
     assert {"val_accuracy", "test_accuracy"} <= set(metrics["history"][0])
     assert tf.train.latest_checkpoint(str(workdir / "checkpoints")).endswith("ckpt-3")
     assert (workdir / "export" / "saved_model.pb").exists()
+    assert json.loads((workdir / workdirs.SHAPE_FILE).read_text()) == {
+        "strategy": "MirroredStrategy", "workers": 1, "ps": 0, "replicas": 2}
     assert list((workdir / "tensorboard").glob("train/events.out.tfevents.*"))
 
 
@@ -142,6 +145,23 @@ def test_compression_without_an_all_reduce_is_refused(tmp_path, tiny_datasets):
                             "MultiWorkerMirrored and Mirrored runs, and this run has none "
                             "(DefaultStrategy); set it to none")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_ps_run_is_not_resumed_in_one_process(tmp_path, tiny_datasets):
+    backup = tmp_path / workdirs.BACKUP_DIR / "chief" / "checkpoint"
+    backup.parent.mkdir(parents=True)
+    backup.write_text("state")
+    shape = {"strategy": "ParameterServerStrategy", "workers": 2, "ps": 2, "replicas": 2}
+    workdirs.write_json(tmp_path / workdirs.SHAPE_FILE, shape)
+    config = cfg.load(None, ["train.epochs=1"])
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config, tmp_path, strategy=strategy.create("default"), task=tiny_task(config))
+    assert str(e.value) == (
+        f"--workdir {tmp_path} holds an interrupted ParameterServerStrategy run; resuming it "
+        "under DefaultStrategy is not supported: resume it with a TF_CONFIG that has ps "
+        "tasks, or start a new --workdir")
+    assert backup.read_text() == "state"
+    assert json.loads((tmp_path / workdirs.SHAPE_FILE).read_text()) == shape
 
 
 def test_fp16_compressed_run_learns_and_exports_a_loadable_model(tmp_path, tiny_datasets):

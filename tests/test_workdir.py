@@ -1,3 +1,4 @@
+import json
 import pathlib
 
 import pytest
@@ -129,3 +130,56 @@ def test_other_errors_are_not_storage_faults():
                                  pathlib.Path("/runs/a")) is None
     assert workdir.storage_error(FakeTFError("Invalid argument: shapes"),
                                  pathlib.Path("/runs/a")) is None
+
+
+PS = {"strategy": "ParameterServerStrategy", "workers": 2, "ps": 2, "replicas": 2}
+MWM = {"strategy": "MultiWorkerMirroredStrategy", "workers": 2, "ps": 0, "replicas": 2}
+
+
+def test_a_resumed_run_logs_how_its_cluster_changed(tmp_path, caplog):
+    interrupted(tmp_path, cfg.Config())
+    workdir.resume_shape(tmp_path, MWM, writes=True)
+    one = {**MWM, "workers": 1, "replicas": 1}
+    with caplog.at_level("INFO", logger="app.workdir"):
+        workdir.resume_shape(tmp_path, one, writes=False)  # a worker: neither logs nor writes
+        workdir.resume_shape(tmp_path, one, writes=True)
+        workdir.resume_shape(tmp_path, one, writes=True)  # resumed again, on the same shape
+    assert caplog.messages == ["resuming on 1 worker (was 2), with 1 replica (was 2)"]
+    assert json.loads((tmp_path / workdir.SHAPE_FILE).read_text()) == one
+
+
+def test_a_ps_run_resumed_on_more_ps_tasks_says_its_variables_are_resharded(tmp_path, caplog):
+    interrupted(tmp_path, cfg.Config())
+    workdir.resume_shape(tmp_path, PS, writes=True)
+    with caplog.at_level("INFO", logger="app.workdir"):
+        workdir.resume_shape(tmp_path, {**PS, "ps": 3}, writes=True)
+    assert caplog.messages == ["resuming with 3 ps tasks (was 2): sharded variables are "
+                               "restored into the new number of shards"]
+
+
+@pytest.mark.parametrize("before, now, fix", [
+    (PS, MWM, "a TF_CONFIG that has ps tasks"),
+    (MWM, {**PS, "strategy": "DefaultStrategy"}, "a TF_CONFIG that has worker tasks and no ps "
+                                                 "tasks"),
+    ({**MWM, "strategy": "MirroredStrategy"}, PS, "one process, without TF_CONFIG"),
+])
+def test_a_run_resumed_under_another_kind_of_strategy_is_refused_untouched(tmp_path, before,
+                                                                           now, fix):
+    interrupted(tmp_path, cfg.Config())
+    workdir.resume_shape(tmp_path, before, writes=True)
+    with pytest.raises(cfg.ConfigError) as e:
+        workdir.resume_shape(tmp_path, now, writes=True)
+    assert str(e.value) == (
+        f"--workdir {tmp_path} holds an interrupted {before['strategy']} run; resuming it "
+        f"under {now['strategy']} is not supported: resume it with {fix}, or start a new "
+        "--workdir")
+    assert json.loads((tmp_path / workdir.SHAPE_FILE).read_text()) == before
+    assert (tmp_path / "backup" / "chief" / "checkpoint").read_text() == "state"
+
+
+def test_one_process_runs_resume_into_each_other_and_a_new_run_under_any(tmp_path):
+    workdir.resume_shape(tmp_path, PS, writes=True)  # no backup: a new run
+    workdir.resume_shape(tmp_path, {**MWM, "strategy": "DefaultStrategy"}, writes=True)
+    interrupted(tmp_path, cfg.Config())
+    workdir.resume_shape(tmp_path, {**MWM, "strategy": "MirroredStrategy"}, writes=True)
+    assert json.loads((tmp_path / workdir.SHAPE_FILE).read_text())["strategy"] == "MirroredStrategy"
