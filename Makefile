@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: install train test test-fast bench local-cluster slurm-packages slurm-cluster \
+.PHONY: install train test test-fast test-under-load coverage bench local-cluster slurm-packages slurm-cluster \
         slurm-cluster-stop lint docs compat clean
 
 install: $(STAMP)
@@ -20,14 +20,31 @@ $(STAMP): pyproject.toml
 train: install
 	$(PY) -m app.train --config configs/mnist.toml $(ARGS)
 
-# Tests with an in-process cluster run in a pytest process of their own: the
-# chief's connection to the cluster changes the process for good.
+# Tests with an in-process cluster run in pytest processes of their own: the
+# chief's connection to the cluster changes the process for good. Each phase runs
+# on PARALLEL runners (pytest-xdist): the end-to-end tests spend half their time
+# waiting on the processes they start. A file stays on one runner (loadfile): its
+# fixtures are built once, and its tests run in their order.
+PARALLEL ?= 2
+XDIST    := -n $(PARALLEL) --dist loadfile
 test: install
-	$(PY) -m pytest -m "not cluster" $(ARGS)
-	$(PY) -m pytest -m cluster $(ARGS)
+	$(PY) -m pytest -m "not cluster" $(XDIST) $(ARGS)
+	$(PY) -m pytest -m cluster $(XDIST) $(ARGS)
+
+# The suite with one busy process per core beside it, as on a loaded CI machine:
+# run it before submitting a change that touches timing (docs/testing.md).
+test-under-load: install
+	@busy=""; for i in $$(seq $$(nproc)); do sh -c 'while :; do :; done' & busy="$$busy $$!"; done; \
+	trap 'kill $$busy' EXIT; $(MAKE) test ARGS='$(ARGS)'
+
+# Line coverage of app/ and launch/, the processes the tests start included
+# ([tool.coverage] in pyproject.toml).
+coverage: install
+	$(PY) -m pytest -m "not cluster" $(XDIST) --cov --cov-report= $(ARGS)
+	$(PY) -m pytest -m cluster $(XDIST) --cov --cov-append --cov-report=term $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not cluster" $(ARGS)
+	$(PY) -m pytest -m "not slow and not cluster" $(XDIST) $(ARGS)
 
 # Every strategy side by side: table, runs/bench/bench.json and bench.png
 bench: install
@@ -61,7 +78,8 @@ docs: install
 # The compatibility suite, recording each zoo case's outcome under each way of training
 # (docs/compatibility.json), then docs/compatibility.md; `make test` checks both.
 compat: install
-	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py -m "not cluster" -k "not matrix" $(ARGS)
+	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py tests/test_compat_multi_worker.py \
+	    -m "not cluster" -k "not matrix" $(ARGS)
 	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py -m cluster $(ARGS)
 	$(PY) -m app.compatdoc
 

@@ -17,6 +17,20 @@ from app.tasks.mnist import Mnist
 
 strategy.split_cpu(2)
 
+# The test files that take longest, longest first (measured: docs/testing.md). `make
+# test` runs each file whole on one of its runners, in collection order: started
+# first, the long ones end beside the many short ones instead of after them. Only an
+# order: a file not listed runs after these, as collected.
+LONGEST_FIRST = ("test_compat_multi_worker.py", "test_sigterm.py", "test_restart_task.py",
+                 "test_compat.py", "test_multi_worker.py", "test_slurm_jobs.py",
+                 "test_network.py", "test_launch_local.py", "test_data_service.py",
+                 "test_train_cli.py", "test_restart.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable
+
 
 def tiny_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """`n` MNIST-shaped (images, labels) whose label is readable from the image (learnable)."""
