@@ -358,6 +358,48 @@ class MixedPrecisionModel(Zoo):
         return keras.Model(x, keras.layers.Dense(2, dtype="float32")(hidden))
 
 
+class GuideSteps(keras.Model):
+    """tf_keras' "Customizing what happens in fit()" guide as it writes the steps: the
+    compiled loss (`self.compiled_loss`), `optimizer.apply_gradients` and the compiled
+    metrics, in `train_step` and in `test_step`. Its layers are named by the task, and
+    it has no `build`: built at its first call."""
+
+    def __init__(self):
+        super().__init__(name="guide")
+        self.hidden = keras.layers.Dense(8, "relu", name="hidden")
+        self.out = keras.layers.Dense(2, name="scores")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GuideStepModel(Zoo):
+    """subclassed, built at its first call; `train_step`, `test_step` as tf_keras' guide has them"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return GuideSteps()
+
+
 CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
 
 
@@ -403,4 +445,4 @@ CASES: dict[str, type[Zoo]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel, StructuredDataModel)}
+    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel)}

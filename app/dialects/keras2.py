@@ -59,9 +59,29 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
-    """The optimizer's slots, now (under `slot_device`), so that they can be placed."""
+    """The model's variables, then the optimizer's slots of them, now (under
+    `slot_device`), so that they can be placed."""
+    build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
+
+
+def build_layers(model: keras.Model, dataset_fn) -> None:
+    """Create the variables of `model` if it is not built yet, from the shapes and
+    dtypes of the features `dataset_fn`'s elements hold.
+
+    A model with no `Input` (a subclassed one without `build(shape)`, as tf_keras'
+    "Customizing what happens in fit()" guide writes it, or a `Sequential` without
+    an `Input`) is built at its first call. Keras' own fit builds the optimizer at its
+    first `apply_gradients` (tf_keras 2.21 optimizer.py); built here before the model,
+    it knew no variable and the first step failed with "The optimizer cannot recognize
+    variable". A symbolic call, as a functional model's construction makes.
+    """
+    if model.built:
+        return
+    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    features = keras.utils.unpack_x_y_sample_weight(spec)[0]
+    model(tf.nest.map_structure(lambda s: keras.Input(s.shape[1:], dtype=s.dtype), features))
 
 
 # Every metric update is one op on its variable (assign_add): workers evaluating shards
