@@ -71,6 +71,39 @@ def _classifier(inputs, hidden) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(2)(hidden))
 
 
+# -- What the Keras guides teach, shared by both zoos (each passes its own `keras`) ---------------
+
+def scale_layer(keras):
+    """A custom layer class with a `get_config`, registered as Keras serializable with
+    `keras`: a weight per feature, multiplying its input."""
+
+    @keras.saving.register_keras_serializable(package="zoo")
+    class Scale(keras.layers.Layer):
+        def __init__(self, initial: float = 1.0, **kwargs):
+            super().__init__(**kwargs)
+            self.initial = initial
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(name="scale", shape=(input_shape[-1],),
+                                         initializer=keras.initializers.Constant(self.initial))
+
+        def call(self, inputs):
+            return inputs * self.scale
+
+        def get_config(self):
+            return {**super().get_config(), "initial": self.initial}
+
+    return Scale
+
+
+def lazy_sequential(keras, scale) -> object:
+    """A `keras.Sequential` without an `Input` (built at its first call): the custom
+    layer `scale` twice, named by Keras (its class name, then with `_1`), and layers
+    named by the task, one with a leading underscore."""
+    return keras.Sequential([scale(0.5), keras.layers.Dense(8, "relu", name="_hidden"),
+                             scale(), keras.layers.Dense(2, name="scores")], name="stack")
+
+
 class StringLookupModel(Zoo):
     """`StringLookup` inside the model"""
 
@@ -400,6 +433,19 @@ class GuideStepModel(Zoo):
         return GuideSteps()
 
 
+Scale = scale_layer(keras)
+
+
+class SequentialModel(Zoo):
+    """`Sequential` built at its first call; a registered layer with `get_config`; names with `_`"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return lazy_sequential(keras, Scale)
+
+
 CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
 
 
@@ -445,4 +491,4 @@ CASES: dict[str, type[Zoo]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel)}
+    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel, SequentialModel)}

@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 import tf_keras  # only the MIXED_DIALECT tasks at the end, which must be refused
+import zoo
 from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _structured, _words
 
 
@@ -365,6 +366,19 @@ class GuideStepModel(Zoo3):
         return model
 
 
+Scale = zoo.scale_layer(keras)
+
+
+class SequentialModel(Zoo3):
+    """`Sequential` built at its first call; a registered layer with `get_config`; names with `_`"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return zoo.lazy_sequential(keras, Scale)
+
+
 class _TokenAndPosition(keras.layers.Layer):
     """Token and position embeddings; its class name begins with an underscore, so Keras
     names it `__token_and_position` (and its variables' TensorFlow names begin so)."""
@@ -516,7 +530,8 @@ CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
     OwnStepsModel, MixedPrecisionModel, GuideStepModel, TransformerModel,
-    StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel)}
+    StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel,
+    SequentialModel)}
 
 
 # -- Deliberately wrong: one task, two dialects. The project must refuse these. ---------------

@@ -7,7 +7,9 @@ is the face they show the trainer (see `app.dialects`).
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -150,7 +152,36 @@ def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:
     """A SavedModel at `directory`/export, whole or absent."""
-    save_dir(directory / "export", lambda path: model.save(path, save_format="tf"))
+    with _valid_root_scopes(model):
+        save_dir(directory / "export", lambda path: model.save(path, save_format="tf"))
+
+
+# What tf_keras names a layer of a class whose name begins with `_` (`to_snake_case`).
+PRIVATE = "private"
+
+
+@contextlib.contextmanager
+def _valid_root_scopes(model: keras.Model) -> Iterator[None]:
+    """Within it, each layer of `model` whose name begins with `_` is named as tf_keras
+    names such a layer class's instances: with `private` before it.
+
+    tf_keras 2.21's SavedModel traces each layer's call on its own (save_impl.py,
+    `call_and_return_conditional_losses` calls `layer.call`, outside the layer's name
+    scope), so the layers a model calls there enter their name scopes as root
+    scopes, which may not begin with `_`: a layer the task named `_hidden` trains
+    (under its model's scope) and its export failed with "'_hidden/' is not a valid
+    root scope name". The SavedModel's Keras metadata holds the new names (what
+    `tf_keras.models.load_model` gives); the model's names are back after it.
+    """
+    renamed = [layer for layer in [model, *model.submodules]
+               if isinstance(layer, keras.layers.Layer) and layer.name.startswith("_")]
+    for layer in renamed:
+        layer._name = PRIVATE + layer.name  # tf_keras 2.21: `name` reads `_name`
+    try:
+        yield
+    finally:
+        for layer in renamed:
+            layer._name = layer.name.removeprefix(PRIVATE)
 
 
 def check_runner(kind: str, config, task) -> None:
