@@ -104,6 +104,24 @@ def lazy_sequential(keras, scale) -> object:
                              scale(), keras.layers.Dense(2, name="scores")], name="stack")
 
 
+class ClassWeightedLoss:
+    """A model's `compute_loss` overridden, as each Keras' `Model.compute_loss` says a
+    subclass may: its examples of class 1 weigh twice. It calls the compiled loss, which
+    scales itself for the replicas (a loss computed from scratch there would not)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        weights = tf.where(tf.equal(y, 1), 2.0, 1.0)
+        if sample_weight is not None:
+            weights *= sample_weight
+        return super().compute_loss(x, y, y_pred, weights, **kwargs)
+
+
+def functional(keras, model_class) -> object:
+    """A small functional model of `model_class` (a subclass of `keras.Model`)."""
+    x = keras.Input((4,))
+    return model_class(x, keras.layers.Dense(2)(keras.layers.Dense(8, "relu")(x)))
+
+
 class StringLookupModel(Zoo):
     """`StringLookup` inside the model"""
 
@@ -446,6 +464,22 @@ class SequentialModel(Zoo):
         return lazy_sequential(keras, Scale)
 
 
+class WeightedLoss(ClassWeightedLoss, keras.Model):
+    """A functional model whose class overrides `compute_loss`."""
+
+
+class LossOverrideModel(Zoo):
+    """functional model whose class overrides `compute_loss` (headline: the loss)"""
+
+    metric, higher_is_better = "loss", False
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return functional(keras, WeightedLoss)
+
+
 CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
 
 
@@ -491,4 +525,5 @@ CASES: dict[str, type[Zoo]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel, SequentialModel)}
+    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel, SequentialModel,
+    LossOverrideModel)}

@@ -379,6 +379,22 @@ class SequentialModel(Zoo3):
         return zoo.lazy_sequential(keras, Scale)
 
 
+class WeightedLoss(zoo.ClassWeightedLoss, keras.Model):
+    """A functional model whose class overrides `compute_loss`."""
+
+
+class LossOverrideModel(Zoo3):
+    """functional model whose class overrides `compute_loss` (headline: the loss)"""
+
+    metric, higher_is_better = "loss", False
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return zoo.functional(keras, WeightedLoss)
+
+
 class _TokenAndPosition(keras.layers.Layer):
     """Token and position embeddings; its class name begins with an underscore, so Keras
     names it `__token_and_position` (and its variables' TensorFlow names begin so)."""
@@ -531,7 +547,7 @@ CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
     OwnStepsModel, MixedPrecisionModel, GuideStepModel, TransformerModel,
     StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel,
-    SequentialModel)}
+    SequentialModel, LossOverrideModel)}
 
 
 # -- Deliberately wrong: one task, two dialects. The project must refuse these. ---------------
