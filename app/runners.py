@@ -419,10 +419,13 @@ class SyncPS(AsyncPS):
         # Per-example losses: sync_ps averages them itself (Keras refuses a batch
         # mean inside a function the coordinator schedules).
         self._task_loss.reduction = keras.losses.Reduction.NONE
-        self._refuse(type(model).train_step is not keras.Model.train_step,
-                     f"ps.mode = sync runs its own training step (app/sync_ps.py), so the "
-                     f"train_step of {type(model).__name__} would not run; use ps.mode = async "
-                     "or MultiWorkerMirrored")
+        for step in ("train_step", "compute_loss"):
+            # sync_ps computes the task's loss itself: a model's own compute_loss would
+            # not run either, and the model would train silently on another loss.
+            self._refuse(getattr(type(model), step) is not getattr(keras.Model, step),
+                         f"ps.mode = sync runs its own training step (app/sync_ps.py), so the "
+                         f"{step} of {type(model).__name__} would not run; use ps.mode = "
+                         "async or MultiWorkerMirrored")
         return model
 
     def metrics(self, model):

@@ -111,6 +111,10 @@ def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
     restore_precision = dialects.set_precision(config.train.precision)
     try:
         model = task.build_model()
+        test = task.eval_dataset("test", config.eval.batch_size)
+        # A model with no Input is built at its first call: before the restore, which
+        # matches the checkpoint's variables with the model's.
+        model(next(iter(test))[0])  # (features, labels[, sample weights])
         # The run's optimizer, built: a Keras 3 model's checkpoint holds its optimizer,
         # which the restore matches with the model's.
         optimizer = trainer.optimizer(config, task, 1, dialects.of(model, task))
@@ -119,7 +123,6 @@ def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
                       loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics())
         latest = tf.train.latest_checkpoint(str(workdir / CHECKPOINT_DIR))
         tf.train.Checkpoint(model=model).restore(latest).expect_partial()
-        test = task.eval_dataset("test", config.eval.batch_size)
         keras_result = model.evaluate(test, verbose=0, return_dict=True)
         raw = tf.nest.map_structure(lambda a: a[:8], task.arrays("test")[0])
         exported = tf.saved_model.load(str(workdir / "export"))

@@ -156,3 +156,18 @@ def test_a_keras3_export_does_not_depend_on_the_names_keras_gives_layers(tmp_pat
     np.testing.assert_allclose(exported.serve(features), model(features), atol=1e-6)
     assert model.layers[1].scale.value.name.startswith("__scaled/")  # the model's, unchanged
     assert (tmp_path / keras3.KERAS_FILE).exists()
+
+
+def test_a_keras2_export_takes_layers_the_task_named_with_a_leading_underscore(tmp_path):
+    # tf_keras' SavedModel traces each layer's call outside its model's name scope, where
+    # a layer named `_hidden` would enter `_hidden/` as a root scope, which TensorFlow
+    # refuses. (Built from an `Input`, tf_keras refuses the name already; built at its
+    # first call, the model trains.)
+    model = tf_keras.Sequential([tf_keras.layers.Dense(4, name="_hidden"),
+                                 tf_keras.layers.Dense(2)])
+    features = np.arange(6, dtype="float32").reshape(2, 3)
+    model(features)
+    keras2.export(model, tmp_path)
+    exported = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(exported(features), model(features), atol=1e-6)
+    assert model.layers[0].name == "_hidden"  # the model's, unchanged

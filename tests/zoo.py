@@ -71,6 +71,57 @@ def _classifier(inputs, hidden) -> keras.Model:
     return keras.Model(inputs, keras.layers.Dense(2)(hidden))
 
 
+# -- What the Keras guides teach, shared by both zoos (each passes its own `keras`) ---------------
+
+def scale_layer(keras):
+    """A custom layer class with a `get_config`, registered as Keras serializable with
+    `keras`: a weight per feature, multiplying its input."""
+
+    @keras.saving.register_keras_serializable(package="zoo")
+    class Scale(keras.layers.Layer):
+        def __init__(self, initial: float = 1.0, **kwargs):
+            super().__init__(**kwargs)
+            self.initial = initial
+
+        def build(self, input_shape):
+            self.scale = self.add_weight(name="scale", shape=(input_shape[-1],),
+                                         initializer=keras.initializers.Constant(self.initial))
+
+        def call(self, inputs):
+            return inputs * self.scale
+
+        def get_config(self):
+            return {**super().get_config(), "initial": self.initial}
+
+    return Scale
+
+
+def lazy_sequential(keras, scale) -> object:
+    """A `keras.Sequential` without an `Input` (built at its first call): the custom
+    layer `scale` twice, named by Keras (its class name, then with `_1`), and layers
+    named by the task, one with a leading underscore."""
+    return keras.Sequential([scale(0.5), keras.layers.Dense(8, "relu", name="_hidden"),
+                             scale(), keras.layers.Dense(2, name="scores")], name="stack")
+
+
+class ClassWeightedLoss:
+    """A model's `compute_loss` overridden, as each Keras' `Model.compute_loss` says a
+    subclass may: its examples of class 1 weigh twice. It calls the compiled loss, which
+    scales itself for the replicas (a loss computed from scratch there would not)."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, **kwargs):
+        weights = tf.where(tf.equal(y, 1), 2.0, 1.0)
+        if sample_weight is not None:
+            weights *= sample_weight
+        return super().compute_loss(x, y, y_pred, weights, **kwargs)
+
+
+def functional(keras, model_class) -> object:
+    """A small functional model of `model_class` (a subclass of `keras.Model`)."""
+    x = keras.Input((4,))
+    return model_class(x, keras.layers.Dense(2)(keras.layers.Dense(8, "relu")(x)))
+
+
 class StringLookupModel(Zoo):
     """`StringLookup` inside the model"""
 
@@ -358,6 +409,77 @@ class MixedPrecisionModel(Zoo):
         return keras.Model(x, keras.layers.Dense(2, dtype="float32")(hidden))
 
 
+class GuideSteps(keras.Model):
+    """tf_keras' "Customizing what happens in fit()" guide as it writes the steps: the
+    compiled loss (`self.compiled_loss`), `optimizer.apply_gradients` and the compiled
+    metrics, in `train_step` and in `test_step`. Its layers are named by the task, and
+    it has no `build`: built at its first call."""
+
+    def __init__(self):
+        super().__init__(name="guide")
+        self.hidden = keras.layers.Dense(8, "relu", name="hidden")
+        self.out = keras.layers.Dense(2, name="scores")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply_gradients(zip(gradients, self.trainable_variables, strict=True))
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        self.compiled_loss(y, y_pred, regularization_losses=self.losses)
+        self.compiled_metrics.update_state(y, y_pred)
+        return {m.name: m.result() for m in self.metrics}
+
+
+class GuideStepModel(Zoo):
+    """subclassed, built at its first call; `train_step`, `test_step` as tf_keras' guide has them"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return GuideSteps()
+
+
+Scale = scale_layer(keras)
+
+
+class SequentialModel(Zoo):
+    """`Sequential` built at its first call; a registered layer with `get_config`; names with `_`"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return lazy_sequential(keras, Scale)
+
+
+class WeightedLoss(ClassWeightedLoss, keras.Model):
+    """A functional model whose class overrides `compute_loss`."""
+
+
+class LossOverrideModel(Zoo):
+    """functional model whose class overrides `compute_loss` (headline: the loss)"""
+
+    metric, higher_is_better = "loss", False
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return functional(keras, WeightedLoss)
+
+
 CITIES = np.array(["oslo", "lima", "pune", "kobe", "nice", "bern"])
 
 
@@ -403,4 +525,5 @@ CASES: dict[str, type[Zoo]] = {cls.__name__: cls for cls in (
     StringLookupModel, IntegerLookupModel, TextVectorizationModel, HashingModel,
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
-    OwnStepsModel, MixedPrecisionModel, StructuredDataModel)}
+    OwnStepsModel, MixedPrecisionModel, StructuredDataModel, GuideStepModel, SequentialModel,
+    LossOverrideModel)}

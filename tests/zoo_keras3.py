@@ -24,6 +24,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 import tf_keras  # only the MIXED_DIALECT tasks at the end, which must be refused
+import zoo
 from zoo import TEST, TRAIN, WORDS, Zoo, _numbers, _rng, _structured, _words
 
 
@@ -365,6 +366,86 @@ class GuideStepModel(Zoo3):
         return model
 
 
+class Trackers(keras.Model):
+    """keras.io's "Customizing what happens in fit()", going lower-level: a loss of its
+    own, the metrics it tracks itself (a `keras.metrics.Mean` of the loss) listed by a
+    `metrics` property, in `train_step` and in a `test_step` of its own. Its layers are
+    named by the task, and it has no `build`: built at its first call."""
+
+    def __init__(self):
+        super().__init__(name="trackers")
+        self.hidden = keras.layers.Dense(8, "relu", name="hidden")
+        self.out = keras.layers.Dense(2, name="scores")
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        self.loss_tracker = keras.metrics.Mean(name="loss")
+        self.accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+
+    def call(self, inputs):
+        return self.out(self.hidden(inputs))
+
+    @property
+    def metrics(self):
+        return [self.loss_tracker, self.accuracy]
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.loss_fn(y, y_pred)
+        gradients = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(gradients, self.trainable_variables)
+        return self._track(loss, y, y_pred)
+
+    def test_step(self, data):
+        x, y = data
+        y_pred = self(x, training=False)
+        return self._track(self.loss_fn(y, y_pred), y, y_pred)
+
+    def _track(self, loss, y, y_pred):
+        self.loss_tracker.update_state(loss)
+        self.accuracy.update_state(y, y_pred)
+        return {"loss": self.loss_tracker.result(), "accuracy": self.accuracy.result()}
+
+
+class TrackersModel(Zoo3):
+    """subclassed, built at its first call; own `Mean` trackers, `metrics` and `test_step`"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return Trackers()
+
+
+Scale = zoo.scale_layer(keras)
+
+
+class SequentialModel(Zoo3):
+    """`Sequential` built at its first call; a registered layer with `get_config`; names with `_`"""
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return zoo.lazy_sequential(keras, Scale)
+
+
+class WeightedLoss(zoo.ClassWeightedLoss, keras.Model):
+    """A functional model whose class overrides `compute_loss`."""
+
+
+class LossOverrideModel(Zoo3):
+    """functional model whose class overrides `compute_loss` (headline: the loss)"""
+
+    metric, higher_is_better = "loss", False
+
+    def arrays(self, split):
+        return _numbers(split)
+
+    def build_model(self):
+        return zoo.functional(keras, WeightedLoss)
+
+
 class _TokenAndPosition(keras.layers.Layer):
     """Token and position embeddings; its class name begins with an underscore, so Keras
     names it `__token_and_position` (and its variables' TensorFlow names begin so)."""
@@ -516,7 +597,8 @@ CASES: dict[str, type[Zoo3]] = {cls.__name__: cls for cls in (
     NormalizationModel, LookupInDatasetFn, BatchNormModel, SyncBatchNormModel, DropoutModel,
     RecurrentModel, ConvModel, ApplicationModel, MultiOutputModel, AddLossModel,
     OwnStepsModel, MixedPrecisionModel, GuideStepModel, TransformerModel,
-    StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel)}
+    StructuredDataModel, MultiHotModel, TfIdfModel, EmbeddingModel, AugmentationModel,
+    TrackersModel, SequentialModel, LossOverrideModel)}
 
 
 # -- Deliberately wrong: one task, two dialects. The project must refuse these. ---------------

@@ -7,7 +7,9 @@ is the face they show the trainer (see `app.dialects`).
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
+from collections.abc import Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -59,9 +61,29 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
-    """The optimizer's slots, now (under `slot_device`), so that they can be placed."""
+    """The model's variables, then the optimizer's slots of them, now (under
+    `slot_device`), so that they can be placed."""
+    build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
+
+
+def build_layers(model: keras.Model, dataset_fn) -> None:
+    """Create the variables of `model` if it is not built yet, from the shapes and
+    dtypes of the features `dataset_fn`'s elements hold.
+
+    A model with no `Input` (a subclassed one without `build(shape)`, as tf_keras'
+    "Customizing what happens in fit()" guide writes it, or a `Sequential` without
+    an `Input`) is built at its first call. Keras' own fit builds the optimizer at its
+    first `apply_gradients` (tf_keras 2.21 optimizer.py); built here before the model,
+    it knew no variable and the first step failed with "The optimizer cannot recognize
+    variable". A symbolic call, as a functional model's construction makes.
+    """
+    if model.built:
+        return
+    spec = dataset_fn(tf.distribute.InputContext()).element_spec
+    features = keras.utils.unpack_x_y_sample_weight(spec)[0]
+    model(tf.nest.map_structure(lambda s: keras.Input(s.shape[1:], dtype=s.dtype), features))
 
 
 # Every metric update is one op on its variable (assign_add): workers evaluating shards
@@ -130,7 +152,36 @@ def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:
     """A SavedModel at `directory`/export, whole or absent."""
-    save_dir(directory / "export", lambda path: model.save(path, save_format="tf"))
+    with _valid_root_scopes(model):
+        save_dir(directory / "export", lambda path: model.save(path, save_format="tf"))
+
+
+# What tf_keras names a layer of a class whose name begins with `_` (`to_snake_case`).
+PRIVATE = "private"
+
+
+@contextlib.contextmanager
+def _valid_root_scopes(model: keras.Model) -> Iterator[None]:
+    """Within it, each layer of `model` whose name begins with `_` is named as tf_keras
+    names such a layer class's instances: with `private` before it.
+
+    tf_keras 2.21's SavedModel traces each layer's call on its own (save_impl.py,
+    `call_and_return_conditional_losses` calls `layer.call`, outside the layer's name
+    scope), so the layers a model calls there enter their name scopes as root
+    scopes, which may not begin with `_`: a layer the task named `_hidden` trains
+    (under its model's scope) and its export failed with "'_hidden/' is not a valid
+    root scope name". The SavedModel's Keras metadata holds the new names (what
+    `tf_keras.models.load_model` gives); the model's names are back after it.
+    """
+    renamed = [layer for layer in [model, *model.submodules]
+               if isinstance(layer, keras.layers.Layer) and layer.name.startswith("_")]
+    for layer in renamed:
+        layer._name = PRIVATE + layer.name  # tf_keras 2.21: `name` reads `_name`
+    try:
+        yield
+    finally:
+        for layer in renamed:
+            layer._name = layer.name.removeprefix(PRIVATE)
 
 
 def check_runner(kind: str, config, task) -> None:
