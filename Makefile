@@ -21,15 +21,17 @@ train: install
 	$(PY) -m app.train --config configs/mnist.toml $(ARGS)
 
 # Tests with an in-process cluster run in pytest processes of their own: the
-# chief's connection to the cluster changes the process for good. Each phase runs
-# on PARALLEL runners (pytest-xdist): the end-to-end tests spend half their time
-# waiting on the processes they start. A file stays on one runner (loadfile): its
-# fixtures are built once, and its tests run in their order.
-PARALLEL ?= 2
-XDIST    := -n $(PARALLEL) --dist loadfile
+# chief's connection to the cluster changes the process for good. The other tests
+# run on PARALLEL runners (pytest-xdist) on the 2 cores: the end-to-end ones spend
+# half their time waiting on the processes they start. The cluster tests compute
+# more than they wait: two runners, an in-process cluster each. A file stays on one
+# runner, its tests in order, its fixtures built once, but for the files that
+# tests/conftest.py spreads; the longest start first (conftest.LONGEST_FIRST).
+PARALLEL ?= 3
+XDIST    := --dist loadfile --no-loadscope-reorder
 test: install
-	$(PY) -m pytest -m "not cluster" $(XDIST) $(ARGS)
-	$(PY) -m pytest -m cluster $(XDIST) $(ARGS)
+	$(PY) -m pytest -m "not cluster" -n $(PARALLEL) $(XDIST) $(ARGS)
+	$(PY) -m pytest -m cluster -n 2 $(XDIST) $(ARGS)
 
 # The suite with one busy process per core beside it, as on a loaded CI machine:
 # run it before submitting a change that touches timing (docs/testing.md).
@@ -40,11 +42,11 @@ test-under-load: install
 # Line coverage of app/ and launch/, the processes the tests start included
 # ([tool.coverage] in pyproject.toml).
 coverage: install
-	$(PY) -m pytest -m "not cluster" $(XDIST) --cov --cov-report= $(ARGS)
-	$(PY) -m pytest -m cluster $(XDIST) --cov --cov-append --cov-report=term $(ARGS)
+	$(PY) -m pytest -m "not cluster" -n $(PARALLEL) $(XDIST) --cov --cov-report= $(ARGS)
+	$(PY) -m pytest -m cluster -n 2 $(XDIST) --cov --cov-append --cov-report=term $(ARGS)
 
 test-fast: install
-	$(PY) -m pytest -m "not slow and not cluster" $(XDIST) $(ARGS)
+	$(PY) -m pytest -m "not slow and not cluster" -n $(PARALLEL) $(XDIST) $(ARGS)
 
 # Every strategy side by side: table, runs/bench/bench.json and bench.png
 bench: install

@@ -41,11 +41,13 @@ CASES: dict[str, type] = {**zoo.CASES, **{KERAS3 + k: v for k, v in zoo_keras3.C
                           **{KERAS3 + k: v for k, v in zoo_keras3.MIXED_DIALECT.items()}}
 
 # Keras 2's copies of the cases whose feature the project only hands to Keras (layers
-# that compute alone: an application, recurrences, convolutions, dropout): `make test`
-# trains these in Keras 3 alone, `make compat` (COMPAT_RECORD) in both Kerases. Each
-# takes minutes of the suite in Keras 2, and the project's Keras 2 path is trained by
-# every other Keras 2 case.
-SAME_IN_BOTH = ("ApplicationModel", "RecurrentModel", "ConvModel", "DropoutModel")
+# that compute alone: an application, recurrences, convolutions, dropout, hashing; an
+# IntegerLookup, the StringLookup case's table with integer keys): `make test` trains
+# these in Keras 3 alone, `make compat` (COMPAT_RECORD) in both Kerases. Together they
+# take minutes of the suite in Keras 2, whose path through the project every other
+# Keras 2 case trains.
+SAME_IN_BOTH = ("ApplicationModel", "RecurrentModel", "ConvModel", "DropoutModel",
+                "HashingModel", "IntegerLookupModel")
 # The cases a test run trains: every one when recording.
 CHECKED = [name for name in CASES if os.environ.get("COMPAT_RECORD") or name not in SAME_IN_BOTH]
 
@@ -140,16 +142,23 @@ def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
             "test_examples": metrics.get("num_test_examples"), "export_error": export_error}
 
 
+def part(index: int, parts: int) -> list[str]:
+    """Part `index` of `parts` of the checked cases, which one MultiWorkerMirrored pair
+    trains (`main`)."""
+    return CHECKED[index::parts]
+
+
 def main() -> int:
-    """One worker of a MultiWorkerMirrored pair: every case, in the same order as its peer."""
+    """One worker of a MultiWorkerMirrored pair: the cases of part INDEX of PARTS
+    (`compat.py WORKDIR INDEX PARTS`), in the same order as its peer."""
     from app import cluster as clusters
     from app import strategy as strategies
 
-    workdir = pathlib.Path(sys.argv[1])
+    workdir, index, parts = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     cluster = clusters.read()
     strategy = strategies.create("auto", cluster, cfg.Config())
     results = {}
-    for name in CHECKED:
+    for name in part(index, parts):
         results[name] = run_case(name, "multi_worker_mirrored", workdir / name,
                                  strategy=strategy, cluster=cluster, check=cluster.is_chief)
     print("RESULTS " + json.dumps(results))
