@@ -81,7 +81,7 @@ def partition() -> dict:
     dropped = counters()[network.BLACKHOLE][1]
     links.set_cut("ps:0", False)
     return {"while_cut": cut, "dropped_while_cut": dropped,
-            "got_after": exchange(PORTS["ps:0"], upload=1000, download=1000, timeout_s=10)}
+            "got_after": exchange(PORTS["ps:0"], upload=1000, download=1000, timeout_s=60)}
 
 
 def delay() -> dict:
