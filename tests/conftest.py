@@ -33,11 +33,15 @@ SPREAD = ("test_compat_multi_worker.py", "test_compat.py", "test_sigterm.py",
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """`make test`'s schedule: by file (`--dist loadfile`), but the tests of `SPREAD`
-    each on its own."""
+    """`make test`'s schedule (`--dist loadfile`): by file, but the tests of `SPREAD`
+    each on its own. Any other `--dist` is xdist's own."""
+    if config.getoption("dist") != "loadfile":
+        return None
     from xdist.scheduler import LoadFileScheduling
 
     class Scheduler(LoadFileScheduling):
+        # A unit of work is what `_split_scope` names (pytest-xdist 3.8: a file, for
+        # loadfile). If it moves, the SPREAD files run whole: slower, not wrong.
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return nodeid if path.rpartition("/")[2] in SPREAD else path
