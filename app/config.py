@@ -77,6 +77,11 @@ class DataConfig:
     # trainers on demand (shard_policy does not apply), and not in the trainers.
     # "" = off. `launch.local --data-workers N` starts a service and sets it.
     service: str = ""
+    # Read the training examples by index when the task gives them so
+    # (Task.train_source): one global order of (train.seed, epoch), every example
+    # once per epoch across failures, resumes and changes of cluster shape
+    # (app/indexed.py). false: the task's train_dataset pipeline (shard_policy applies).
+    by_index: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,7 +29,8 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import dialects, parameter_server, ps_evaluation, sync_ps
+from app import callbacks as project_callbacks
+from app import dialects, indexed, parameter_server, ps_evaluation, sync_ps
 from app import strategy as strategies
 from app.cluster import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
@@ -53,6 +54,9 @@ class SingleHost:
         self.all_reduces = self.name == "MirroredStrategy"
         self.coordinator = None
         self.dialect = None  # the task's Keras (app.dialects), once `build` has seen its model
+        # (source, order) when the task's examples are read by index (`read_by_index`).
+        self.reading: tuple[indexed.Source, indexed.Order] | None = None
+        self._first_step: tf.Variable | None = None
 
     # -- checks and sizes -------------------------------------------------------------
 
@@ -137,8 +141,23 @@ class SingleHost:
     def build_optimizer(self, model, task: Task) -> None:
         self.dialect.build_optimizer(model, self.train_fn(task), self.slot_device())
 
+    # Whether this kind of run can read a task's examples by index (app.indexed).
+    reads_by_index = True
+
+    def read_by_index(self, source: indexed.Source, order: indexed.Order) -> None:
+        """Train on `source`'s examples in `order`, from the step the backup restores."""
+        self.reading = (source, order)
+        # Read by the input pipelines when they start, once fit() restored the backup
+        # (`_FirstStep`); on the CPU, beside them, outside the strategy's scope.
+        with tf.device("/cpu:0"):
+            self._first_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+
     def train_fn(self, task: Task) -> DatasetFn:
         """The task's training input at the batch this kind of run splits."""
+        if self.reading:
+            source, order = self.reading
+            return functools.partial(indexed.dataset, source, order,
+                                     first_step=self._first_step.read_value)
         return functools.partial(task.train_dataset, global_batch_size=self.input_batch)
 
     def slot_device(self) -> contextlib.AbstractContextManager:
@@ -160,6 +179,8 @@ class SingleHost:
             callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
             workdir: pathlib.Path) -> keras.callbacks.History:
         """Train; `callbacks` hold the backup fit() resumes from (in `workdir`)."""
+        if self.reading:  # after the backup's callback, which restores the step
+            callbacks = [*callbacks, _FirstStep(self._first_step, self.dialect)]
         return self.dialect.fit(model, dataset_fn, self.strategy, callbacks,
                                 self.config.train.epochs, steps_per_epoch,
                                 _verbose(self.config.train.verbose))
@@ -175,6 +196,19 @@ class SingleHost:
     def finish(self, outdir: pathlib.Path, workdir: pathlib.Path) -> None:
         if outdir != workdir:
             shutil.rmtree(outdir, ignore_errors=True)
+
+
+class _FirstStep(project_callbacks.Callback):
+    """Sets where by-index input pipelines start: the optimizer's step once the backup
+    is restored (0 in a fresh run). Keras makes its iterator after on_train_begin."""
+
+    def __init__(self, first_step: tf.Variable, dialect):
+        super().__init__()
+        self.first_step, self.dialect = first_step, dialect
+
+    def on_train_begin(self, logs=None):
+        step = self.dialect.tf_variable(self.model.optimizer.iterations)
+        self.first_step.assign(tf.cast(step.read_value(), tf.int64))
 
 
 def _stopped(workdir: pathlib.Path) -> str:
@@ -293,7 +327,8 @@ class AsyncPS(SingleHost):
 
     @property
     def resumable(self) -> bool:
-        return not self.dialect.LOOP_BACKUP
+        # By index, both Kerases train in the project's loop, with its own backup.
+        return not (self.dialect.LOOP_BACKUP or self.reading)
 
     def slot_device(self):
         # Keras' optimizers compute each slot's initial value eagerly, as a tensor
@@ -322,7 +357,8 @@ class AsyncPS(SingleHost):
         return self.dialect.fit_coordinated(
             model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
-            self.config.checkpoint.every_steps)
+            self.config.checkpoint.every_steps, reading=self.reading,
+            with_worker=self.straggler is not None)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is
@@ -355,6 +391,9 @@ class SyncPS(AsyncPS):
     examples of one update, split over those workers."""
 
     resumable = False  # its own loop and backup (sync_ps.SyncBackup), not BackupAndRestore's
+    # Each update takes the first gradients of any `required` workers; a contribution
+    # is not tied to a part of a global batch yet, so sync reads the task's pipeline.
+    reads_by_index = False
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)

@@ -34,6 +34,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import config as cfg
+from app import indexed
 from app.config import ConfigError, field  # noqa: F401 (re-exported for task authors)
 
 BUILTIN = {"mnist": "app.tasks.mnist:Mnist",
@@ -99,6 +100,14 @@ class Task:
     def loss_weights(self) -> list[float] | dict[str, float] | None:
         """The weight of each output's loss in the total (`Model.compile(loss_weights=...)`),
         or None for equal weights."""
+        return None
+
+    def train_source(self) -> indexed.Source | None:
+        """The training examples by index (`app.indexed.Source`), or None when the task
+        gives only `train_dataset`. With a source every example is trained on once
+        per epoch, in an order that neither failures nor the cluster's shape change,
+        and a run resumes at the batch after its backup's (docs/tasks.md); without
+        one, a failure or a resume re-reads or skips examples."""
         return None
 
     def train_examples(self) -> int | None:

@@ -210,6 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     if lost_code:
         return lost(cluster, lost_code)
     print(trainer.summary_line(metrics))
+    if chief_failure.applies(cluster):
+        # At once: its ps and worker tasks were told it finished. A coordinator that
+        # recovered a worker was left, at the interpreter's exit, in its __del__
+        # waiting for a lock its preemption thread (a daemon, stopped) held: the
+        # chief never exited (seen with the project's own loop, a worker SIGKILLed).
+        exit_now(0)
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from app import callbacks, data, data_service, dialects, runners
+from app import callbacks, data, data_service, dialects, indexed, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
@@ -56,6 +56,7 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     dialects.set_random_seed(config.train.seed)
     log.info("%s: %d replica(s), task %s, %d steps per epoch", runner.name, runner.num_replicas,
              config.task.name, steps_per_epoch)
+    reading = _input(config, task, runner, steps_per_epoch)
     model = runner.build(task, lambda dialect: optimizer(config, task, steps_per_epoch, dialect))
     for line in runner.report():
         log.info("%s", line)
@@ -77,7 +78,7 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     export_failure = _export(runner, task, model, outdir, workdir)
     metrics = {**_common(config, task, runner, history, model, test, throughput,
                          earlier=callbacks.earlier_history(run_callbacks)),
-               "keras": runner.dialect.NAME,
+               "keras": runner.dialect.NAME, **reading,
                "wall_seconds": round(time.perf_counter() - start, 2),
                **runner.metrics(model), **task.report(model, test)}
     if export_failure:
@@ -110,11 +111,45 @@ def _export(runner: runners.SingleHost, task: Task, model, outdir: pathlib.Path,
     return None
 
 
+# How the run reads its training examples, and what that keeps across failures and
+# resumes: metrics.json's `input` and `input_guarantee`.
+BY_INDEX = {"input": "by_index", "input_guarantee": "exactly_once"}
+PIPELINE = {"input": "pipeline", "input_guarantee": "none"}
+SERVICE = {"input": "data_service", "input_guarantee": "at_most_once"}
+
+
+def _input(config: Config, task: Task, runner: runners.SingleHost,
+           steps_per_epoch: int) -> dict[str, str]:
+    """Read the task's examples by index when it gives them so and the run can; log
+    which guarantee the run has."""
+    source = task.train_source()
+    if config.data.service:
+        log.info("input: the tf.data service; each example at most once per epoch, those "
+                 "in flight at a failure lost%s",
+                 " (the task's examples by index are not read through the service)"
+                 if source else "")
+        return SERVICE
+    if source is None or not config.data.by_index or not runner.reads_by_index:
+        why = (f"task {config.task.name} gives only train_dataset" if source is None
+               else "data.by_index = false" if not config.data.by_index
+               else "ps.mode = sync reads the task's train_dataset")
+        log.info("input: a pipeline (%s); a failure or a resume re-reads or skips examples "
+                 "(docs/tasks.md: Task.train_source)", why)
+        return PIPELINE
+    runner.read_by_index(source, indexed.Order(source.size, config.train.global_batch_size,
+                                               steps_per_epoch, config.train.seed))
+    log.info("input: by index, %d examples in an order of (train.seed, epoch); every "
+             "example once per epoch across failures and resumes", source.size)
+    return BY_INDEX
+
+
 def _steps_per_epoch(config: Config, task: Task) -> int:
     """`train.steps_per_epoch`, else one pass over the task's training examples."""
     if config.train.steps_per_epoch:
         return config.train.steps_per_epoch
     examples = task.train_examples()
+    if examples is None and (source := task.train_source()) is not None:
+        examples = source.size
     if examples is None:
         raise ConfigError(
             f"task {config.task.name} reads training data without end; set "

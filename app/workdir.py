@@ -121,9 +121,11 @@ def _check_resumed_config(path: pathlib.Path, before: dict[str, Any],
 # checkpoints differ (a ps run's variables are sharded over ps tasks, its steps
 # counted by a coordinator) and no test shows such a resume to train correctly.
 # Every other strategy (default, Mirrored) is one process. The fix per earlier kind.
-_KINDS = {"ParameterServerStrategy": "a TF_CONFIG that has ps tasks",
-          "MultiWorkerMirroredStrategy": "a TF_CONFIG that has worker tasks and no ps tasks"}
-_ONE_PROCESS = "one process, without TF_CONFIG"
+# A run resumes under its kind of strategy: its backup's layout and how its steps
+# update the variables are the kind's. The synchronous strategies (one process,
+# Mirrored, MultiWorkerMirrored) resume into each other on any number of workers.
+_KINDS = {"ParameterServerStrategy": "a TF_CONFIG that has ps tasks"}
+_SYNCHRONOUS = "one process or a TF_CONFIG of worker tasks, without ps tasks"
 
 
 def resume_shape(path: pathlib.Path, shape: dict[str, Any], writes: bool) -> None:
@@ -140,7 +142,7 @@ def resume_shape(path: pathlib.Path, shape: dict[str, Any], writes: bool) -> Non
             raise cfg.ConfigError(
                 f"--workdir {path} holds an interrupted {before['strategy']} run; resuming "
                 f"it under {shape['strategy']} is not supported: resume it with "
-                f"{_KINDS.get(before['strategy'], _ONE_PROCESS)}, or start a new --workdir")
+                f"{_KINDS.get(before['strategy'], _SYNCHRONOUS)}, or start a new --workdir")
         changes = _shape_changes(before, shape)
         if changes and writes:
             log.info("resuming %s", ", ".join(changes))
@@ -155,6 +157,8 @@ def _shape_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
         return f"{now[key]} {what}{'' if now[key] == 1 else 's'} (was {before.get(key)})"
 
     changes = []
+    if before.get("strategy") != now["strategy"]:
+        changes.append(f"under {now['strategy']} (was {before.get('strategy')})")
     if before.get("workers") != now["workers"]:
         changes.append(f"on {was('workers', 'worker')}")
     if before.get("ps") != now["ps"]:

@@ -75,10 +75,16 @@ def test_shard_policy_file_is_refused_for_records():
                             "records. Use auto or data")
 
 
-def test_random_shift_moves_whole_images_within_bounds():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_random_shift_moves_whole_images_within_bounds(seeded):
     images = np.zeros((64, 28, 28, 1), np.float32)
     images[:, 10:18, 10:18, 0] = 1.0
-    shifted = mnist.random_shift(tf.constant(images), max_shift=2, seed=1).numpy()
+    seeds = tf.stack([tf.fill([64], tf.constant(7, tf.int64)), tf.range(64, dtype=tf.int64)], 1)
+    shifted = mnist.random_shift(tf.constant(images), max_shift=2,
+                                 seeds=seeds if seeded else None).numpy()
+    if seeded:  # the same seeds, the same shifts
+        again = mnist.random_shift(tf.constant(images), max_shift=2, seeds=seeds).numpy()
+        np.testing.assert_array_equal(shifted, again)
     assert shifted.shape == images.shape
     offsets = set()
     for img in shifted:

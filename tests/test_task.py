@@ -141,6 +141,9 @@ def test_steps_per_epoch_is_needed_for_an_unbounded_task(tmp_path):
         def train_examples(self):
             return None
 
+        def train_source(self):  # a pipeline only, without end
+            return None
+
     config = cfg.load(None, ["train.epochs=1"])
     with pytest.raises(cfg.ConfigError) as e:
         trainer.run(config, tmp_path, strategy=strategy.create("default"),

@@ -159,9 +159,9 @@ def test_a_ps_run_resumed_on_more_ps_tasks_says_its_variables_are_resharded(tmp_
 
 @pytest.mark.parametrize("before, now, fix", [
     (PS, MWM, "a TF_CONFIG that has ps tasks"),
-    (MWM, {**PS, "strategy": "DefaultStrategy"}, "a TF_CONFIG that has worker tasks and no ps "
-                                                 "tasks"),
-    ({**MWM, "strategy": "MirroredStrategy"}, PS, "one process, without TF_CONFIG"),
+    (PS, {**MWM, "strategy": "DefaultStrategy"}, "a TF_CONFIG that has ps tasks"),
+    ({**MWM, "strategy": "MirroredStrategy"}, PS, "one process or a TF_CONFIG of worker "
+                                                  "tasks, without ps tasks"),
 ])
 def test_a_run_resumed_under_another_kind_of_strategy_is_refused_untouched(tmp_path, before,
                                                                            now, fix):
@@ -177,9 +177,14 @@ def test_a_run_resumed_under_another_kind_of_strategy_is_refused_untouched(tmp_p
     assert (tmp_path / "backup" / "chief" / "checkpoint").read_text() == "state"
 
 
-def test_one_process_runs_resume_into_each_other_and_a_new_run_under_any(tmp_path):
+def test_synchronous_runs_resume_into_each_other_and_a_new_run_under_any(tmp_path, caplog):
     workdir.resume_shape(tmp_path, PS, writes=True)  # no backup: a new run
-    workdir.resume_shape(tmp_path, {**MWM, "strategy": "DefaultStrategy"}, writes=True)
+    workdir.resume_shape(tmp_path, MWM, writes=True)
     interrupted(tmp_path, cfg.Config())
+    one = {"strategy": "DefaultStrategy", "workers": 1, "ps": 0, "replicas": 1}
+    with caplog.at_level("INFO", logger="app.workdir"):
+        workdir.resume_shape(tmp_path, one, writes=True)
+    assert caplog.messages == ["resuming under DefaultStrategy (was MultiWorkerMirroredStrategy), "
+                               "on 1 worker (was 2), with 1 replica (was 2)"]
     workdir.resume_shape(tmp_path, {**MWM, "strategy": "MirroredStrategy"}, writes=True)
     assert json.loads((tmp_path / workdir.SHAPE_FILE).read_text())["strategy"] == "MirroredStrategy"

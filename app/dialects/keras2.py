@@ -15,7 +15,7 @@ from typing import Any
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, optimizers
+from app import callbacks, coordinated, optimizers
 from app import strategy as strategies
 from app.workdir import save_dir
 
@@ -91,7 +91,9 @@ def build_layers(model: keras.Model, dataset_fn) -> None:
 ATOMIC_METRICS = True
 
 # tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among its
-# callbacks.
+# callbacks, for a task that gives only a training pipeline. A task whose examples
+# are read by index trains in the project's own loop (app.coordinated), which passes
+# each step its number, with that loop's backup.
 LOOP_BACKUP = False
 
 
@@ -101,9 +103,16 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None
 
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
-                    every_steps: int) -> keras.callbacks.History:
-    return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs, steps_per_epoch,
-               verbose)
+                    every_steps: int, reading=None,
+                    with_worker: bool = False) -> keras.callbacks.History:
+    if reading is None:
+        return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs,
+                   steps_per_epoch, verbose)
+    return coordinated.fit(model, model.train_step, coordinator, keras, epochs=epochs,
+                           steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
+                           verbose=verbose, reading=reading, with_worker=with_worker,
+                           backup=coordinated.LoopBackup(coordinator, model, backup_dir,
+                                                         every_steps))
 
 
 def tf_variable(variable):

@@ -20,7 +20,7 @@ import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
-from app import preemption, tf_internal
+from app import coordinated, preemption, tf_internal
 from app import strategy as strategies
 from app.config import ConfigError
 from app.dialects import keras3_ps
@@ -175,8 +175,8 @@ def _blank(spec: tf.TensorSpec) -> tf.Tensor:
 # evaluated twice by two workers at once, gave test AUCs of 0.8013 and 0.8045).
 ATOMIC_METRICS = False
 
-# Under a ClusterCoordinator the loop is the project's own (keras3_ps.fit), and so is
-# its backup (keras3_ps.LoopBackup): the trainer adds no `backup` callback there.
+# Under a ClusterCoordinator the loop is the project's own (app.coordinated), and so
+# is its backup (coordinated.LoopBackup): the trainer adds no `backup` callback there.
 LOOP_BACKUP = True
 
 
@@ -191,12 +191,15 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
 
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
-                    every_steps: int) -> keras.callbacks.History:
+                    every_steps: int, reading=None,
+                    with_worker: bool = False) -> keras.callbacks.History:
     """The project's loop on the coordinator (Keras 3's fit has none)."""
-    return keras3_ps.fit(built, coordinator, dataset_fn, epochs=epochs,
-                         steps_per_epoch=steps_per_epoch, callbacks=callbacks_, verbose=verbose,
-                         backup=keras3_ps.LoopBackup(coordinator, model, backup_dir,
-                                                     every_steps))
+    return coordinated.fit(model, built.train, coordinator, keras, epochs=epochs,
+                           steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
+                           verbose=verbose, dataset_fn=dataset_fn, reading=reading,
+                           with_worker=with_worker,
+                           backup=coordinated.LoopBackup(coordinator, model, backup_dir,
+                                                         every_steps))
 
 
 def tf_variable(variable):

@@ -27,11 +27,6 @@ These read private Keras 3.15 members (`Variable._value` and
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import pathlib
-import shutil
-
 import keras
 import numpy as np
 import tensorflow as tf
@@ -39,10 +34,7 @@ from keras.src.backend.common.stateless_scope import in_stateless_scope
 from keras.src.backend.tensorflow import core as keras_core
 from keras.src.backend.tensorflow import numpy as keras_numpy
 
-from app import preemption
 from app.config import ConfigError
-
-log = logging.getLogger(__name__)
 
 _keras_assign_add = keras_core.Variable.assign_add
 _keras_assign_sub = keras_core.Variable.assign_sub
@@ -172,116 +164,3 @@ def _keras_train_step():
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
     return TensorFlowTrainer.train_step
-
-
-class LoopBackup:
-    """The backup of a run of this loop, in <workdir>/backup/chief: the model, the
-    optimizer (slots and step), and the position (epoch, step). Keras 3's
-    BackupAndRestore restores its own fit() only. Saved by the chief once every
-    step scheduled so far has run, so the position is exact; each ps task writes
-    its own variables (tf.train.Checkpoint)."""
-
-    def __init__(self, coordinator, model: keras.Model, backup_dir: pathlib.Path,
-                 every_steps: int = 0):
-        self.coordinator, self.every_steps = coordinator, every_steps
-        self.directory = backup_dir / "chief"
-        self.sigterm = preemption.Sigterm()
-        self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_epoch")
-        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_step")
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                         epoch=self._epoch, step=self._step)
-        self.manager = tf.train.CheckpointManager(checkpoint, str(self.directory), max_to_keep=1)
-        self._since_save = 0
-
-    def restore(self) -> tuple[int, int]:
-        """(epoch, step) to go on from; from here on SIGTERM means save and stop."""
-        self.sigterm.install()
-        latest = self.manager.latest_checkpoint
-        if latest:
-            self.manager.checkpoint.restore(latest).assert_existing_objects_matched()
-            log.info("resumed from %s: epoch %d, step %d", latest,
-                     int(self._epoch.numpy()) + 1, int(self._step.numpy()))
-        return int(self._epoch.numpy()), int(self._step.numpy())
-
-    def step_done(self, epoch: int, done: int) -> None:
-        self._since_save += 1
-        if self.sigterm.requested() or self.every_steps and self._since_save >= self.every_steps:
-            self.save(epoch, done)
-        self._stop_if_asked(epoch, done)
-
-    def epoch_done(self, epoch: int) -> None:
-        self.save(epoch + 1, 0)
-        self._stop_if_asked(epoch + 1, 0)
-
-    def save(self, epoch: int, step: int) -> None:
-        self.coordinator.join()  # every step scheduled so far has run
-        self._epoch.assign(epoch)
-        self._step.assign(step)
-        self.manager.save()
-        self._since_save = 0
-
-    def delete(self) -> None:
-        self.sigterm.uninstall()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def _stop_if_asked(self, epoch: int, step: int) -> None:
-        if self.sigterm.requested():
-            self.sigterm.ignore()
-            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping", epoch + 1, step)
-            raise preemption.preempted(str(self.directory))
-
-
-def fit(steps: Steps, coordinator, dataset_fn, *, epochs: int, steps_per_epoch: int,
-        callbacks: list, verbose, backup: LoopBackup) -> keras.callbacks.History:
-    """Train `epochs` x `steps_per_epoch` steps, each scheduled on a free worker; the
-    callbacks see what they see under tf_keras' fit with a coordinator (a batch
-    ends when it is scheduled; an epoch once all of its steps have run)."""
-    if verbose == "auto":
-        verbose = 2  # one line per epoch, as fit() does under a coordinator
-    model, strategy = steps.model, coordinator.strategy
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(dataset_fn)))
-
-    @tf.function
-    def step(iterator):
-        return strategy.run(steps.train, args=(next(iterator),))
-
-    history = keras.callbacks.History()
-    callback_list = keras.callbacks.CallbackList(
-        [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
-        steps=steps_per_epoch, verbose=verbose)
-    first_epoch, first_step = backup.restore()
-    model.stop_training = False
-    try:
-        _epochs(model, lambda: coordinator.schedule(step, args=(iterator,)), coordinator.join,
-                callback_list, backup, range(first_epoch, epochs), first_step, steps_per_epoch)
-    except BaseException:
-        # Nothing scheduled may run on after this run, into the next one's restore.
-        with contextlib.suppress(Exception):
-            coordinator.join()
-        raise
-    callback_list.on_train_end()
-    backup.delete()
-    return history
-
-
-def _epochs(model: keras.Model, schedule, join, callback_list, backup: LoopBackup,
-            epochs: range, first_step: int, steps_per_epoch: int) -> None:
-    """`epochs`, the first from `first_step`: each step `schedule`d, each epoch `join`ed."""
-    callback_list.on_train_begin()
-    for epoch in epochs:
-        model.reset_metrics()
-        callback_list.on_epoch_begin(epoch)
-        for index in range(first_step if epoch == epochs.start else 0, steps_per_epoch):
-            callback_list.on_train_batch_begin(index)
-            schedule()
-            callback_list.on_train_batch_end(index, None)
-            if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
-                backup.step_done(epoch, index + 1)
-        join()
-        logs = {name: float(np.asarray(value))
-                for name, value in model.get_metrics_result().items()}
-        callback_list.on_epoch_end(epoch, logs)
-        backup.epoch_done(epoch)
-        if model.stop_training:
-            break

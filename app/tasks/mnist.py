@@ -18,7 +18,7 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from app import data, dialects, idx
+from app import data, dialects, idx, indexed
 from app.config import ConfigError, field
 from app.task import Task
 
@@ -85,6 +85,8 @@ class Splits:
     num_validation: int
     test: Source
     num_test: int
+    # The training split by index (its first `num_train` examples), if it can be read so.
+    train_by_index: indexed.Source | None = None
 
 
 class Mnist(Task):
@@ -106,7 +108,8 @@ class Mnist(Task):
                 return None, 0
             return (lambda: data.from_arrays(*arrays)), len(arrays[1])
 
-        task._splits = Splits(*split(train), *split(validation), *split(test))
+        task._splits = Splits(*split(train), *split(validation), *split(test),
+                              data.indexed_arrays(*train))
         return task
 
     _splits: Splits | None = None
@@ -140,6 +143,22 @@ class Mnist(Task):
             seed=self.pipeline_seed(context), shuffle_buffer=p.shuffle_buffer,
             augment=augment if shift or rounds else None)
 
+    def train_source(self) -> indexed.Source | None:
+        # tensorflow-datasets' files are read through tfds.load, a pipeline.
+        source = self.splits.train_by_index
+        if source is None:
+            return None
+        p = self.params
+        shift, rounds = p.augment_shift, p.preprocess_rounds
+
+        def augment(batch, seeds):
+            images, labels = batch
+            images = random_shift(images, shift, seeds) if shift else images
+            return (preprocess(images, rounds) if rounds else images), labels
+
+        return dataclasses.replace(source, size=self.splits.num_train,
+                                   augment=augment if shift or rounds else None)
+
     def eval_dataset(self, split, batch_size):
         source = self.splits.validation if split == "validation" else self.splits.test
         return None if source is None else source().batch(batch_size).prefetch(2)
@@ -161,11 +180,13 @@ def _load(params: Params, seed: int) -> Splits:
     if params.source == "synthetic":
         train = params.train_examples or 60000
         return Splits(functools.partial(_synthetic, train, seed), train, None, 0,
-                      functools.partial(_synthetic, 10000, seed + 1), 10000)
+                      functools.partial(_synthetic, 10000, seed + 1), 10000,
+                      indexed.Source(train, functools.partial(_synthetic_batch, seed)))
     if params.source.startswith("tfds:"):
         return _tfds(params.source[len("tfds:"):], params.dir)
     directory = pathlib.Path(params.dir) if params.dir else BUNDLED
-    return Splits(*_idx(directory, "train"), None, 0, *_idx(directory, "t10k"))
+    return Splits(*_idx(directory, "train"), None, 0, *_idx(directory, "t10k"),
+                  _idx_by_index(directory, "train"))
 
 
 def _subset(splits: Splits, params: Params) -> Splits:
@@ -178,13 +199,15 @@ def _subset(splits: Splits, params: Params) -> Splits:
         test, num_test = _take(test, 0, params.test_examples), params.test_examples
     held = params.validation_examples
     if not held:
-        return Splits(train, num_train, None, 0, test, num_test)
+        return Splits(train, num_train, None, 0, test, num_test, splits.train_by_index)
     if held >= num_train:
         raise ConfigError(
             f"task.validation_examples ({held}) must be smaller than the training set "
             f"({num_train} examples); lower it or set it to 0")
     cut = num_train - held
-    return Splits(_take(train, 0, cut), cut, _take(train, cut, num_train), held, test, num_test)
+    # By index, the training examples are the first `cut` (Mnist.train_source).
+    return Splits(_take(train, 0, cut), cut, _take(train, cut, num_train), held, test, num_test,
+                  splits.train_by_index)
 
 
 def _take(source: Source, start: int, stop: int) -> Source:
@@ -216,15 +239,48 @@ def _idx(directory: pathlib.Path, prefix: str) -> tuple[Source, int]:
     return source, count
 
 
-def _synthetic(n: int, seed: int) -> tf.data.Dataset:
-    """Random MNIST-shaped examples made from their index: no data to ship."""
+def _idx_by_index(directory: pathlib.Path, prefix: str) -> indexed.Source:
+    """One split's IDX files by index: each reading process loads them whole, once
+    (47 MB for MNIST's training images)."""
+    images_path, labels_path = idx.paths(directory, prefix)
+    count, shape, image_header, label_header = idx.check_pair(images_path, labels_path)
+
+    def contents(path: pathlib.Path, header: int) -> tf.Tensor:
+        raw = tf.io.read_file(str(path))
+        if path.suffix == ".gz":
+            raw = tf.io.decode_compressed(raw, "GZIP")
+        return tf.io.decode_raw(tf.strings.substr(raw, header, tf.strings.length(raw) - header),
+                                tf.uint8)
+
+    def load():
+        return (tf.reshape(contents(images_path, image_header), (count, *shape, 1)),
+                tf.cast(contents(labels_path, label_header), tf.int64))
+
+    def read(loaded, indices):
+        images, labels = loaded
+        return tf.gather(images, indices), tf.gather(labels, indices)
+
+    return indexed.Source(count, read, load)
+
+
+def _synthetic_batch(seed: int, loaded, indices: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+    """The synthetic training examples `indices`, as `_synthetic` makes each."""
+    return tf.map_fn(_synthetic_example(seed), indices,
+                     fn_output_signature=(tf.uint8, tf.int64))
+
+
+def _synthetic_example(seed: int):
     def example(i):
         key = tf.stack([tf.cast(seed, tf.int64), i])
         image = tf.random.stateless_uniform(SHAPE, key, maxval=256, dtype=tf.int32)
         label = tf.random.stateless_uniform([], key + 1, maxval=CLASSES, dtype=tf.int64)
         return tf.cast(image, tf.uint8), label
+    return example
 
-    return tf.data.Dataset.range(n).map(example)
+
+def _synthetic(n: int, seed: int) -> tf.data.Dataset:
+    """Random MNIST-shaped examples made from their index: no data to ship."""
+    return tf.data.Dataset.range(n).map(_synthetic_example(seed))
 
 
 def _tfds(name: str, data_dir: str) -> Splits:
@@ -256,8 +312,10 @@ def preprocess(images: tf.Tensor, rounds: int) -> tf.Tensor:
     return images + tf.cast(nothing, images.dtype)
 
 
-def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> tf.Tensor:
-    """Translate each image of a batch by up to `max_shift` pixels, filling with zeros.
+def random_shift(images: tf.Tensor, max_shift: int, seeds: tf.Tensor | None = None
+                 ) -> tf.Tensor:
+    """Translate each image of a batch by up to `max_shift` pixels, filling with zeros;
+    by `seeds` (int64 [batch, 2], one per image: app.indexed) when given.
 
     Whole pixels only, done with two gathers over a padded batch: an order of
     magnitude cheaper per image than a per-example map or an interpolating
@@ -268,7 +326,12 @@ def random_shift(images: tf.Tensor, max_shift: int, seed: int | None = None) -> 
     batch, height, width = shape[0], shape[1], shape[2]
     s = max_shift
     padded = tf.pad(images, [[0, 0], [s, s], [s, s], [0, 0]])
-    offsets = tf.random.uniform([2, batch], 0, 2 * s + 1, dtype=tf.int32, seed=seed)
+    if seeds is None:
+        offsets = tf.random.uniform([2, batch], 0, 2 * s + 1, dtype=tf.int32)
+    else:
+        offsets = tf.transpose(tf.map_fn(
+            lambda seed: tf.random.stateless_uniform([2], seed, 0, 2 * s + 1, tf.int32),
+            seeds, fn_output_signature=tf.int32))
     rows = offsets[0][:, None] + tf.range(height)[None, :]
     cols = offsets[1][:, None] + tf.range(width)[None, :]
     shifted = tf.gather(padded, rows, axis=1, batch_dims=1)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import dialects, optimizers
+from app import dialects, indexed, optimizers
 from app.config import ConfigError, field
 from app.task import Task
 from app.tasks import ctr_data, dlrm, dlrm_keras3
@@ -120,7 +120,7 @@ class Recommender(Task):
 
     Params = Params
     metric, higher_is_better = "auc", True
-    step_batch: int | None = None  # examples one replica's step looks up (train_dataset)
+    step_batch: int | None = None  # examples one replica's step looks up (as traced)
 
     @functools.cached_property
     def generator(self) -> ctr_data.Generator:
@@ -151,6 +151,17 @@ class Recommender(Task):
         indices = self.shard(tf.data.Dataset.range(p.train_offset,
                                                    p.train_offset + p.train_examples), context)
         return self._batches(indices.repeat(), self.step_batch, drop_remainder=True)
+
+    def train_source(self):
+        # Generated from the example index: nothing to load, any example at once.
+        offset, generate = self.params.train_offset, self.generator.examples
+
+        def read(loaded, indices):
+            # Traced where the batch of one replica's step is known (traffic, below).
+            self.step_batch = indices.shape[0] or self.step_batch
+            return generate(offset + indices)[:2]
+
+        return indexed.Source(self.params.train_examples, read)
 
     def eval_dataset(self, split, batch_size):
         start, count = self._split(split)
