@@ -102,7 +102,10 @@ def _examples(source: Source, loaded: Any, indices: tf.Tensor, seeds: tf.Tensor)
 def loaded_dataset(source: Source) -> tf.data.Dataset:
     """`source.load()`, made once and then repeated without end: one element, the same
     tensors each time (a per-worker iterator of it has no position to lose)."""
-    return (tf.data.Dataset.from_tensors(0).map(lambda _: source.load()).cache().repeat())
+    def load(_):
+        return source.load()
+
+    return tf.data.Dataset.from_tensors(0).map(load).cache().repeat()
 
 
 def dataset(source: Source, order: Order, context: tf.distribute.InputContext,
@@ -120,14 +123,38 @@ def dataset(source: Source, order: Order, context: tf.distribute.InputContext,
         return (tf.reshape(indices, [pipelines, replicas, per_replica])[pipeline],
                 tf.reshape(seeds, [pipelines, replicas, per_replica, 2])[pipeline])
 
-    steps = tf.data.Dataset.range(1).flat_map(
-        lambda _: tf.data.Dataset.range(first_step(), _ENDLESS))
-    slices = steps.map(parts).unbatch()
+    def steps(_):
+        return tf.data.Dataset.range(first_step(), _ENDLESS)
+
+    return _read(source, tf.data.Dataset.range(1).flat_map(steps).map(parts).unbatch())
+
+
+def pipeline(source: Source, indices: tf.data.Dataset, batch_size: int,
+             seed: int) -> tf.data.Dataset:
+    """`source`'s examples `indices` (this pipeline's shard), shuffled, repeated and
+    batched, as a task's `train_dataset` gives them: for the runs that read a
+    pipeline (data.by_index = false, the tf.data service, ps.mode = sync). Each
+    example's augmentation seed is (seed, index): no epoch is known here."""
+    shuffled = (indices.shuffle(min(source.size, 1 << 20), seed=seed,
+                                reshuffle_each_iteration=True)
+                .repeat().batch(batch_size, drop_remainder=True))
+
+    def with_seeds(ids):
+        return ids, tf.stack([tf.fill(tf.shape(ids), tf.constant(seed, tf.int64)), ids], 1)
+
+    return _read(source, shuffled.map(with_seeds))
+
+
+def _read(source: Source, batches: tf.data.Dataset) -> tf.data.Dataset:
+    """The examples of `batches` of (indices, seeds), read in parallel, prefetched."""
     if source.load is None:
-        examples = slices.map(lambda i, s: _examples(source, None, i, s),
-                              num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        def read(indices, seeds):
+            return _examples(source, None, indices, seeds)
     else:
-        examples = tf.data.Dataset.zip(loaded_dataset(source), slices).map(
-            lambda loaded, i_s: _examples(source, loaded, *i_s),
-            num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        batches = tf.data.Dataset.zip(loaded_dataset(source), batches)
+
+        def read(loaded, indices_seeds):
+            return _examples(source, loaded, *indices_seeds)
+
+    examples = batches.map(read, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
     return examples.prefetch(tf.data.AUTOTUNE)

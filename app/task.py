@@ -71,8 +71,14 @@ class Task:
                       global_batch_size: int) -> tf.data.Dataset:
         """This input pipeline's training data: its shard (`self.shard`), shuffled,
         repeated, batched at `context.get_per_replica_batch_size(global_batch_size)`.
-        (Must implement.)"""
-        raise NotImplementedError(f"{type(self).__name__}.train_dataset")
+        (Must implement, unless `train_source` gives the examples: then by default
+        this pipeline reads them, for the runs that read a pipeline.)"""
+        source = self.train_source()
+        if source is None:
+            raise NotImplementedError(f"{type(self).__name__}.train_dataset")
+        return indexed.pipeline(source, self.shard(tf.data.Dataset.range(source.size), context),
+                                context.get_per_replica_batch_size(global_batch_size),
+                                self.pipeline_seed(context))
 
     def eval_dataset(self, split: str, batch_size: int) -> tf.data.Dataset | None:
         """Every example of `split` ("validation" or "test") once, in order, batched;
