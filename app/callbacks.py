@@ -138,10 +138,26 @@ class Backup(keras.callbacks.BackupAndRestore):
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)  # restores the backup, if there is one
+        self._back_up_random_generators()
         self.sigterm.install()
         self._handler = preemption.mwms_handler(
             self.model.distribute_strategy, self._training_state.read_checkpoint_manager,
             save=lambda: self._save(self._batch), sigterm=self.sigterm, stop=self._stop)
+
+    def _back_up_random_generators(self) -> None:
+        """Make the backup hold the state of each random layer's `tf.random.Generator`
+        (layers built under `train.deterministic`), and restore it from the backup.
+
+        tf_keras 2.21 keeps the generators out of a model's checkpoint ("for backward
+        compatibility", base_layer.BaseRandomLayer): from the model's checkpoint alone a
+        resumed run's dropout starts from the generators' initial state. Added to that
+        checkpoint after it was restored, they are restored as they are added (a
+        tf.train.Checkpoint's deferred restoration: values it read for objects it did
+        not have yet go to them when they are attached)."""
+        generators = random_generators(self.model)
+        if generators:
+            checkpoint = self._training_state.read_checkpoint_manager.checkpoint
+            checkpoint.random_generators = generators  # the write manager's too
 
     def on_train_batch_begin(self, batch, logs=None):
         # The parent records the batch in a variable here, every step (under
@@ -192,6 +208,21 @@ class Backup(keras.callbacks.BackupAndRestore):
         log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
                     self._current_epoch + 1, self._batch + 1)
         raise preemption.preempted(self.backup_dir)
+
+
+def random_generators(model: keras.Model) -> list[tf.random.Generator]:
+    """The `tf.random.Generator` of each random layer of `model` that draws from one, in
+    the model's order (the same for every build of one model).
+
+    tf_keras 2.21 keeps it at `layer._random_generator._generator` (backend.RandomGenerator;
+    None for TF1's stateful random ops, the default); there is no public way to it. If it
+    moves this finds none, and tests/test_determinism.py's Keras 2 resumes differ."""
+    found = []
+    for layer in [model, *model.submodules]:
+        generator = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+        if isinstance(generator, tf.random.Generator):
+            found.append(generator)
+    return found
 
 
 class HistoryRecord(Callback):

@@ -122,6 +122,17 @@ class TrainConfig:
     precision: str = field("float32", choices=("float32", "mixed_bfloat16", "mixed_float16"))
     # Random seed: the weights' initialisation and the task's shuffles (Task.seed).
     seed: int = field(0, minimum=0)
+    # Resume bit for bit: a synchronous run (one process, Mirrored,
+    # MultiWorkerMirrored) stopped and resumed from its backup ends with the
+    # weights of the same run never stopped, if its input goes on where it stopped
+    # too (the task's). TensorFlow runs its deterministic kernels
+    # (enable_op_determinism: slower on GPUs, and an op without one fails), and
+    # Keras 2's random layers (Dropout, ...) draw from a tf.random.Generator whose
+    # state the backup holds (other numbers than without it; Keras 3's layers
+    # always keep theirs there). Without it a resumed Keras 2 run draws its first
+    # steps' dropout masks again. Refused under parameter servers (updates arrive
+    # in no fixed order). docs/launching.md, "Resuming bit for bit".
+    deterministic: bool = False
     # Keras verbosity: "auto" shows a progress bar on a terminal.
     verbose: str = field("auto", choices=("auto", "0", "1", "2"))
 

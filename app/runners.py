@@ -281,6 +281,11 @@ class AsyncPS(SingleHost):
     def check(self) -> None:
         # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
         self._refuse(self.config.train.precision == "mixed_float16", MIXED_FLOAT16)
+        self._refuse(self.config.train.deterministic,
+                     "train.deterministic = true repeats a synchronous run bit for bit across "
+                     "a resume; under {name} the workers' updates reach the ps tasks in "
+                     "whatever order they finish, so no run repeats. Set it to false, or train "
+                     "with MultiWorkerMirrored (no ps tasks)")
         self._check_all_reduce_and_batch()
 
     def _straggler(self) -> sync_ps.Straggler | None:

@@ -15,6 +15,11 @@ these, only this module breaks, and only the runs that use it:
   variable into the SavedModel's graph, named as the variable is. If it moves,
   `tests/test_dialects.py` fails on an export with a layer whose name begins with
   `_`; the public way is to rename the layer.
+- `op_determinism_enabled`, `disable_op_determinism`: TensorFlow exports
+  `enable_op_determinism` only; `app.determinism` turns it off again after a run
+  (tests train one config after another in one process). If they move, that
+  scope fails as it ends; the public way is to leave determinism on for the
+  rest of the process.
 """
 
 from __future__ import annotations
@@ -87,3 +92,17 @@ class _Renamed:
 
     def __getattr__(self, attribute):
         return getattr(self._variable, attribute)
+
+
+def op_determinism_enabled() -> bool:
+    """Whether `tf.config.experimental.enable_op_determinism` is in force."""
+    from tensorflow.python.framework import config
+
+    return config.is_op_determinism_enabled()
+
+
+def disable_op_determinism() -> None:
+    """Undo `tf.config.experimental.enable_op_determinism` (TF 2.21 exports no way to)."""
+    from tensorflow.python.framework import config
+
+    config.disable_op_determinism()

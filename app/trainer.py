@@ -16,7 +16,7 @@ from typing import Any
 
 import tensorflow as tf
 
-from app import callbacks, data, data_service, dialects, indexed, runners
+from app import callbacks, data, data_service, determinism, dialects, indexed, runners
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.task import Task
@@ -40,7 +40,8 @@ def run(config: Config, workdir: pathlib.Path, *,
     try:
         # Before the backup is restored: a run it cannot resume under is refused untouched.
         resume_shape(pathlib.Path(workdir), runner.shape, runner.writes)
-        with runner.guard(pathlib.Path(workdir)):
+        # Before the model is built (its random layers pick their generators then).
+        with runner.guard(pathlib.Path(workdir)), determinism.scope(config.train.deterministic):
             return _train(config, pathlib.Path(workdir), task, runner, steps_per_epoch)
     except (OSError, tf.errors.OpError) as e:
         # A full or read-only workdir mid-run: one line that names it, exit code 2.

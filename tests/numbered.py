@@ -108,9 +108,11 @@ class PythonNumbered(Numbered):
 
 
 def visits(counts: np.ndarray, examples: int) -> dict[str, int]:
-    """How many of the first epoch's examples were trained on 0, 1 and 2+ times, and
-    how many examples of later epochs were trained on."""
+    """How many of the first epoch's examples were trained on 0, 1 and 2+ times, how
+    many examples of later epochs were trained on, and the fewest and most visits of
+    one of the first epoch's (by index every epoch reads those)."""
     first = counts[:examples]
     return {"visits_0": int((first == 0).sum()), "visits_1": int((first == 1).sum()),
             "visits_2plus": int((first >= 2).sum()),
-            "visits_later": int((counts[examples:] > 0).sum())}
+            "visits_later": int((counts[examples:] > 0).sum()),
+            "visits_min": int(first.min()), "visits_max": int(first.max())}

@@ -167,6 +167,21 @@ def test_fp16_push_in_sync_mode_is_refused(ps_strategy, ps_cluster, tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_deterministic_is_refused_under_parameter_servers(mode, ps_strategy, ps_cluster,
+                                                          tmp_path):
+    settings = config("train.deterministic=true", f"ps.mode={mode}")
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(settings, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
+                    task=tiny_task(settings))
+    assert str(e.value) == (
+        "train.deterministic = true repeats a synchronous run bit for bit across a resume; "
+        "under ParameterServerStrategy the workers' updates reach the ps tasks in whatever "
+        "order they finish, so no run repeats. Set it to false, or train with "
+        "MultiWorkerMirrored (no ps tasks)")
+    assert list(tmp_path.iterdir()) == []
+
+
 # A deadline only a hung serve loop reaches, however loaded the machine.
 HANG_S = 120
 

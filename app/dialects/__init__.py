@@ -15,6 +15,8 @@ Each dialect module has:
 - `compile(model, optimizer, task, config)`: compile, and build the optimizer's slots;
 - `variables(model, optimizer)`, `tf_variable(v)`: the TensorFlow variables of both;
 - `backup(backup_dir, every_steps)`, `tensorboard(log_dir)`: its callbacks;
+- `use_variable_rng()`: random layers built from then on keep their state in variables
+  (which its backup saves), for `train.deterministic`;
 - `fit(model, dataset_fn, strategy, callbacks, epochs, steps_per_epoch, verbose)`;
 - `evaluate(model, dataset)`, `export(model, directory)`;
 - `check_runner(kind, config, task)`: refuse what this Keras cannot do under a strategy kind.
@@ -97,6 +99,13 @@ def set_precision(policy: str) -> Any:
     for d in DIALECTS:
         d.set_global_policy(policy)
     return lambda: [d.set_global_policy(p) for d, p in previous]
+
+
+def use_variable_rng() -> Any:
+    """Both Kerases' random layers built from now on keep their generators' state in
+    variables that the backup saves; returns what restores the previous choice."""
+    restores = [d.use_variable_rng() for d in DIALECTS]
+    return lambda: [restore() for restore in restores]
 
 
 def set_random_seed(seed: int) -> None:

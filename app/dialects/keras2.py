@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import tensorflow as tf
@@ -34,6 +34,19 @@ def global_policy() -> str:
 
 def set_global_policy(policy: str) -> None:
     keras.mixed_precision.set_global_policy(policy)
+
+
+def use_variable_rng() -> Callable[[], None]:
+    """From now on, the random layers built (Dropout, GaussianNoise, the augmentation
+    layers) draw from a `tf.random.Generator`, whose state is a variable that
+    `callbacks.Backup` saves, instead of TF1's stateful random ops, whose state lives
+    in each op's kernel and starts over in a new process or a new tf.function (a
+    resumed run's dropout masks would be those of the run's first steps). Returns
+    what puts tf_keras' previous choice back (the choice is process-global)."""
+    experimental = keras.backend.experimental
+    was_on = experimental.is_tf_random_generator_enabled()
+    experimental.enable_tf_random_generator()
+    return (lambda: None) if was_on else experimental.disable_tf_random_generator
 
 
 def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:

@@ -14,9 +14,11 @@ import logging
 import os
 import pathlib
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
@@ -49,6 +51,12 @@ def global_policy() -> str:
 
 def set_global_policy(policy: str) -> None:
     keras.config.set_dtype_policy(policy)
+
+
+def use_variable_rng() -> Callable[[], None]:
+    """Keras 3's random layers always draw from a `SeedGenerator`, whose state is a
+    variable (`Backup` saves it): nothing to change. Returns what undoes nothing."""
+    return lambda: None
 
 
 def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
@@ -265,8 +273,10 @@ class Backup(keras.callbacks.BackupAndRestore):
         super()._load_model()
         if tf.io.gfile.exists(self._training_metadata_path):
             with tf.io.gfile.GFile(self._training_metadata_path) as f:
-                self.steps_done = json.load(f).get(STEPS_DONE, 0)
+                metadata = json.load(f)
+            self.steps_done = metadata.get(STEPS_DONE, 0)
             self._last_batch_seen = max(self.steps_done - 1, 0)
+            set_seed_states(self.model, metadata.get(SEED_STATES))
 
     def on_train_batch_end(self, batch, logs=None):
         self._steps_now = batch + 1
@@ -310,6 +320,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         with tf.io.gfile.GFile(self._training_metadata_path) as f:
             metadata = json.load(f)
         metadata[STEPS_DONE] = self._steps_now
+        metadata[SEED_STATES] = seed_states(self.model)
         with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
             f.write(json.dumps(metadata))
         self._batches_seen_since_last_saving = 0  # the next, every_steps from this one
@@ -317,6 +328,37 @@ class Backup(keras.callbacks.BackupAndRestore):
 
 # The backup's record of the steps done in its epoch (beside Keras' "epoch", "batch").
 STEPS_DONE = "steps_done"
+# The backup's record of the model's random generators' states, in the model's order.
+SEED_STATES = "seed_states"
+
+
+def _seed_state_variables(model: keras.Model) -> list:
+    """The state variable of each `SeedGenerator` of `model`'s random layers (Dropout,
+    GaussianNoise, RandomFlip, ...): what `model.variables` holds beyond `model.weights`
+    (Keras 3.15 Layer.variables), and what `save_weights` leaves out of the backup."""
+    weights = {id(v) for v in model.weights}
+    return [v for v in model.variables if id(v) not in weights]
+
+
+def seed_states(model: keras.Model) -> list[list[int]]:
+    """Each random layer's generator state: two integers, exact in JSON."""
+    return [keras.ops.convert_to_numpy(v).tolist() for v in _seed_state_variables(model)]
+
+
+def set_seed_states(model: keras.Model, states: list[list[int]] | None) -> None:
+    """Put back `seed_states(model)` from a backup, so that a resumed run draws the
+    dropout masks the uninterrupted one would have; without them (a backup of an
+    earlier version) the generators start over, as Keras 3's BackupAndRestore alone
+    resumes them."""
+    if states is None:
+        return
+    variables = _seed_state_variables(model)
+    if len(states) != len(variables):
+        raise ValueError(f"the backup holds {len(states)} random generator state(s) and the "
+                         f"model has {len(variables)} random layer generator(s): resume with "
+                         "the model that wrote it, or start a new --workdir")
+    for variable, state in zip(variables, states, strict=True):
+        variable.assign(np.asarray(state, dtype=variable.dtype))
 
 
 def backup(backup_dir: pathlib.Path, every_steps: int):

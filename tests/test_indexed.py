@@ -1,0 +1,140 @@
+"""Training examples by index (app/indexed.py): one order of (seed, epoch), the same
+global batches however the input is split, a pipeline that starts where the backup
+left off, and the sources app/data.py makes."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from app import config as cfg
+from app import data, indexed, strategy, trainer
+from tests.conftest import one_device_reduction_mirrored
+from tests.numbered import IndexedNumbered, Params
+
+
+def batches(order: indexed.Order, steps) -> list[np.ndarray]:
+    return [order.indices(step)[0].numpy() for step in steps]
+
+
+def test_each_epoch_is_a_permutation_of_seed_and_epoch_alone():
+    order = indexed.Order(size=1000, batch=100, steps_per_epoch=10, seed=3)
+    first, second = np.concatenate(batches(order, range(10))), np.concatenate(
+        batches(order, range(10, 20)))
+    np.testing.assert_array_equal(np.sort(first), np.arange(1000))
+    np.testing.assert_array_equal(np.sort(second), np.arange(1000))
+    assert not np.array_equal(first, second)  # each epoch its own order
+    again = indexed.Order(size=1000, batch=100, steps_per_epoch=10, seed=3)
+    np.testing.assert_array_equal(np.concatenate(batches(again, range(10))), first)
+    other_seed = indexed.Order(size=1000, batch=100, steps_per_epoch=10, seed=4)
+    assert not np.array_equal(np.concatenate(batches(other_seed, range(10))), first)
+
+
+def test_an_epoch_longer_than_the_examples_goes_on_to_a_new_permutation():
+    order = indexed.Order(size=100, batch=30, steps_per_epoch=5, seed=0)  # 150 per epoch
+    counts = np.bincount(np.concatenate(batches(order, range(5))), minlength=100)
+    assert counts.min() >= 1 and counts.max() <= 2 and counts.sum() == 150
+
+
+@pytest.mark.parametrize("pipelines, replicas", [(1, 1), (1, 2), (2, 2), (4, 4), (2, 4)])
+def test_the_input_pipelines_split_each_global_batch_between_them(pipelines, replicas):
+    order = indexed.Order(size=500, batch=40, steps_per_epoch=12, seed=1)
+    source = indexed.Source(500, lambda loaded, i: i)
+    read = []
+    for pipeline in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, pipeline, replicas)
+        elements = indexed.dataset(source, order, context, lambda: tf.constant(7, tf.int64))
+        per_step = replicas // pipelines
+        read.append([e.numpy() for e in elements.take(2 * per_step)])
+    for step, k in enumerate((7, 8)):
+        parts = [part for pipeline in read for part in pipeline[step * len(pipeline) // 2:
+                                                                (step + 1) * len(pipeline) // 2]]
+        np.testing.assert_array_equal(np.concatenate(parts), order.indices(k)[0].numpy())
+
+
+def test_a_pipeline_starts_at_the_step_set_before_it_is_read_not_when_it_is_built():
+    order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=0)
+    first = tf.Variable(0, dtype=tf.int64)
+    elements = indexed.dataset(indexed.Source(64, lambda loaded, i: i), order,
+                               tf.distribute.InputContext(), first.read_value)
+    first.assign(5)  # as the backup's restore does, after fit() built its input
+    np.testing.assert_array_equal(next(iter(elements)).numpy(), order.indices(5)[0].numpy())
+
+
+def test_augmentation_seeds_follow_the_example_and_the_epoch():
+    order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=5)
+    indices, seeds = order.indices(3)
+    np.testing.assert_array_equal(seeds[:, 1].numpy(), indices.numpy())
+    assert len(set(seeds[:, 0].numpy())) == 1
+    assert order.indices(8 + 3)[1][0, 0].numpy() != seeds[0, 0].numpy()  # the next epoch
+
+
+@pytest.mark.parametrize("in_files", [False, True])
+def test_indexed_arrays_read_the_rows_asked_for_in_the_graph_or_through_files(
+        in_files, monkeypatch, tmp_path):
+    if in_files:
+        monkeypatch.setattr(data, "MAX_ARRAY_BYTES", 0)
+        data.use_storage(tmp_path)
+    try:
+        images = np.arange(50 * 6, dtype=np.float32).reshape(50, 2, 3)
+        labels = {"y": np.arange(50) % 3, "ok": np.arange(50) % 2 == 0,
+                  "name": np.array([f"n{i}".encode() for i in range(50)])}
+        source = data.indexed_arrays(images, labels)
+        indices = tf.constant([49, 0, 7, 7], tf.int64)
+        x, y = source.read(source.load(), indices)
+    finally:
+        data.use_storage(None)
+    np.testing.assert_array_equal(x.numpy(), images[[49, 0, 7, 7]])
+    np.testing.assert_array_equal(y["y"].numpy(), labels["y"][[49, 0, 7, 7]])
+    np.testing.assert_array_equal(y["ok"].numpy(), labels["ok"][[49, 0, 7, 7]])
+    assert list(y["name"].numpy()) == [b"n49", b"n0", b"n7", b"n7"]
+    assert source.size == 50
+    assert any(tmp_path.rglob("*.bin")) == in_files
+
+
+def test_records_written_with_their_index_are_read_by_index(tmp_path):
+    columns = {"x": np.arange(30, dtype=np.float32).reshape(10, 3), "y": np.arange(10)}
+    paths = [tmp_path / "a.tfrecord", tmp_path / "b.tfrecord"]
+    data.write_records(paths[0], {k: v[:4] for k, v in columns.items()})
+    data.write_records(paths[1], {k: v[4:] for k, v in columns.items()})
+    assert json.loads((tmp_path / "a.tfrecord.index.json").read_text()) == {"records": 4}
+    source = data.indexed_records(paths, {"x": ([3], tf.float32), "y": ([], tf.int64)},
+                                  example=lambda f: (f["x"], f["y"]))
+    x, y = source.read(source.load(), tf.constant([9, 3, 4], tf.int64))
+    assert source.size == 10
+    np.testing.assert_array_equal(x.numpy(), columns["x"][[9, 3, 4]])
+    np.testing.assert_array_equal(y.numpy(), [9, 3, 4])
+
+
+def test_records_without_their_index_are_refused_with_the_fix(tmp_path):
+    path = tmp_path / "old.tfrecord"
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        writer.write(b"x")
+    with pytest.raises(ValueError, match="old.tfrecord has no index beside it .*write it with "
+                                         "app.data.write_records, which writes both"):
+        data.indexed_records([path], {"x": ([], tf.int64)})
+
+
+def numbered_run(tmp_path, chosen, *overrides):
+    config = cfg.load(overrides=["train.epochs=2", "train.verbose=0", "train.global_batch_size=16",
+                                 "eval.test_every_epoch=false", *overrides])
+    return trainer.run(config, tmp_path, strategy=chosen,
+                       task=IndexedNumbered(Params(examples=256), seed=config.train.seed))
+
+
+@pytest.mark.parametrize("kind", ["default", "mirrored"])
+def test_a_run_by_index_trains_on_every_example_once_an_epoch(tmp_path, kind, caplog):
+    chosen = strategy.create("default") if kind == "default" else one_device_reduction_mirrored()
+    with caplog.at_level("INFO", logger="app.trainer"):
+        metrics = numbered_run(tmp_path, chosen)
+    assert metrics["input"] == "by_index" and metrics["input_guarantee"] == "exactly_once"
+    assert metrics["visits_min"] == metrics["visits_max"] == 2, metrics  # two epochs
+    assert "input: by index, 256 examples in an order of (train.seed, epoch)" in caplog.text
+
+
+def test_without_by_index_the_task_pipeline_is_read_and_the_run_says_so(tmp_path, caplog):
+    with caplog.at_level("INFO", logger="app.trainer"):
+        metrics = numbered_run(tmp_path, strategy.create("default"), "data.by_index=false")
+    assert metrics["input"] == "pipeline" and metrics["input_guarantee"] == "none"
+    assert "input: a pipeline (data.by_index = false)" in caplog.text
