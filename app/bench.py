@@ -156,6 +156,14 @@ ROWS: dict[str, Row] = {
     "keras3_spe8": Row("spe8 in Keras 3", (*_BASELINE, *_sets("task.keras=keras",
                                                                "train.steps_per_execution=8")),
                        base="spe8"),
+    # The input read by index (app/indexed.py, the default) against the task's pipeline
+    # (data.by_index=false): each row's ratio is to the same strategy by index.
+    **{f"{row}_pipeline": Row(f"{row} reading the task's pipeline (data.by_index=false)",
+                              (*args, *_sets("data.by_index=false")), base=row)
+       for row, args in (("baseline", _BASELINE),
+                         ("mirrored_2dev", (*_TRAIN, "--strategy", "mirrored")),
+                         ("mwms_2w", _ps(2, 0)), ("ps_2w2p", _ps(2, 2)),
+                         ("keras3_ps_2w2p", _ps(2, 2, "task.keras=keras")))},
 }
 BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
@@ -223,7 +231,7 @@ def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
 def row_args(row: str, base_args: list[str], gpus: int, link: str | None = None) -> list[str]:
     """The command line of `row`: its module, the shared arguments, then its own settings."""
     module, rest = ROWS[row].args[:2], list(ROWS[row].args[2:])
-    if row in ("mirrored_2dev", "keras3_mirrored_2dev"):
+    if row in ("mirrored_2dev", "keras3_mirrored_2dev", "mirrored_2dev_pipeline"):
         rest += _devices(gpus)
     if link and multi_task(row):
         rest += ["--link", link]
