@@ -20,6 +20,11 @@ these, only this module breaks, and only the runs that use it:
   (tests train one config after another in one process). If they move, that
   scope fails as it ends; the public way is to leave determinism on for the
   rest of the process.
+- `sharded_variable`, `tracked_list`: TensorFlow's ShardedVariable over variables
+  made apart, and a list a checkpoint names the entries of, as tf_keras' optimizer
+  saves its slots of a table's shards. If they move, the backup of Keras 3's loop
+  fails (`tests/test_resume_shards.py`). Only a partitioner makes a ShardedVariable
+  publicly; a list assigned to an attribute of a `tf.Module` is wrapped so.
 """
 
 from __future__ import annotations
@@ -56,6 +61,18 @@ def uninitialized_variable(shape, dtype, name=None, trainable=None):
     return resource_variable_ops.UninitializedVariable(
         shape=shape, dtype=tf.as_dtype(dtype), name=name,
         trainable=True if trainable is None else trainable)
+
+
+def sharded_variable(parts: list[tf.Variable]):
+    """One variable of `parts`, row blocks in order: checkpointed as a partitioner's
+    ShardedVariable, one slice of the whole per part, so that it restores into any
+    other number of parts (tf_keras 2.21 optimizer.py, `_ShardedVariableBuilder`)."""
+    return tf.__internal__.distribute.ShardedVariable(parts)
+
+
+def tracked_list(values: list):
+    """`values` as a list a checkpoint saves entry by entry, named by position."""
+    return tf.__internal__.tracking.wrap(list(values))
 
 
 @contextlib.contextmanager

@@ -162,10 +162,13 @@ def _shape_changes(before: dict[str, Any], now: dict[str, Any]) -> list[str]:
     if before.get("workers") != now["workers"]:
         changes.append(f"on {was('workers', 'worker')}")
     if before.get("ps") != now["ps"]:
-        # TensorFlow saves a ShardedVariable whole and restores it into any number of
-        # shards (its ShardedVariable docstring); the partitioner places it anew.
-        changes.append(f"with {was('ps', 'ps task')}: sharded variables are restored "
-                       "into the new number of shards")
+        # The partitioner places the variables anew. Every backup of a ps run saves a
+        # sharded variable, and each of its optimizer slots, whole (one slice per shard)
+        # and restores it into any number of shards; tests/test_resume_shards.py
+        # compares them after 2 -> 3 -> 1 -> 2 shards (ParameterServerStrategy's own
+        # docstring still says the number must not change).
+        changes.append(f"with {was('ps', 'ps task')}: sharded variables and their "
+                       "optimizer slots are restored into the new number of shards")
     if before.get("replicas") != now["replicas"]:
         changes.append(f"with {was('replicas', 'replica')}")
     return changes

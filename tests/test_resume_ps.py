@@ -26,7 +26,7 @@ def _config(*overrides: str) -> cfg.Config:
 
 
 # SIGTERM during step 3's callbacks: tf_keras' fit saves after step 4 (Backup), Keras 3's
-# loop after step 3 (keras3_ps.LoopBackup), the rerun going on from the step after.
+# loop after step 3 (coordinated.LoopBackup), the rerun going on from the step after.
 @pytest.mark.parametrize("keras, resumed_at", [("tf_keras", (1, 5)), ("keras", (1, 4))])
 def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, ps_cluster, tmp_path,
                                                     monkeypatch, keras, resumed_at):

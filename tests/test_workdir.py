@@ -153,8 +153,9 @@ def test_a_ps_run_resumed_on_more_ps_tasks_says_its_variables_are_resharded(tmp_
     workdir.resume_shape(tmp_path, PS, writes=True)
     with caplog.at_level("INFO", logger="app.workdir"):
         workdir.resume_shape(tmp_path, {**PS, "ps": 3}, writes=True)
-    assert caplog.messages == ["resuming with 3 ps tasks (was 2): sharded variables are "
-                               "restored into the new number of shards"]
+    assert caplog.messages == ["resuming with 3 ps tasks (was 2): sharded variables and "
+                               "their optimizer slots are restored into the new number of "
+                               "shards"]
 
 
 @pytest.mark.parametrize("before, now, fix", [

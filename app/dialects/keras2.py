@@ -75,7 +75,12 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
     """The model's variables, then the optimizer's slots of them, now (under
-    `slot_device`), so that they can be placed."""
+    `slot_device`), so that they can be placed.
+
+    Also before a backup is restored, which this order needs: tf_keras 2.21 restores
+    the slots of a sharded variable only into slots that exist; restored before they
+    are built, they stay at their initial values, silently (keras-team/tf-keras#838,
+    tests/test_resume_shards.py)."""
     build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)

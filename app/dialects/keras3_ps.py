@@ -18,6 +18,11 @@ written here) on a worker. What Keras 3.15 lacks for that, read from its source:
 - `ops.take` of an Embedding reads the whole table (it converts the variable to a
   tensor, concatenating the shards on the worker); `sharded_take` looks up only
   the rows it needs with `tf.nn.embedding_lookup`, dispatched to each shard's ps.
+- Keras 3's checkpoint of an optimizer lists its slots, and the shards it was
+  built for, by position: with a slot per shard, a backup restored into another
+  number of shards (another number of ps tasks) failed, or silently gave variables
+  other variables' values and shapes. `keras3_slots.checkpoint_by_table` makes it
+  save each slot of a sharded variable whole, as tf_keras' optimizer does.
 
 These read private Keras 3.15 members (`Variable._value` and
 `_initialize_with_initializer`, `keras.src.backend.tensorflow.numpy.take`,
@@ -35,6 +40,7 @@ from keras.src.backend.tensorflow import core as keras_core
 from keras.src.backend.tensorflow import numpy as keras_numpy
 
 from app.config import ConfigError
+from app.dialects.keras3_slots import checkpoint_by_table
 
 _keras_assign_add = keras_core.Variable.assign_add
 _keras_assign_sub = keras_core.Variable.assign_sub
@@ -116,13 +122,11 @@ def shard_saving(model: keras.Model) -> None:
             variable.__class__ = ShardedTableVariable
 
 
-def trainable(model: keras.Model) -> list:
-    """The model's trainable variables, each sharded one as one Keras variable per shard."""
-    out = []
-    for variable in model.trainable_variables:
-        value = variable.value
-        out += [ShardVariable(s) for s in value.variables] if _is_sharded(value) else [variable]
-    return out
+def trainable(model: keras.Model) -> list[list[keras.Variable]]:
+    """The model's trainable variables, each as the Keras variables the optimizer
+    updates: a sharded one as one per shard, any other as itself."""
+    return [[ShardVariable(s) for s in v.value.variables] if _is_sharded(v.value) else [v]
+            for v in model.trainable_variables]
 
 
 class Steps:
@@ -132,7 +136,8 @@ class Steps:
     def __init__(self, model: keras.Model, task, slot_device):
         self.model = model
         shard_saving(model)
-        self.variables = trainable(model)
+        parts = trainable(model)
+        self.variables = [variable for group in parts for variable in group]
         self.sharded = len(self.variables) != len(model.trainable_variables)
         if self.sharded and type(model).train_step is not _keras_train_step():
             raise ConfigError(
@@ -142,6 +147,7 @@ class Steps:
                 "under MultiWorkerMirrored")
         with slot_device:
             model.optimizer.build(self.variables)
+        checkpoint_by_table(model.optimizer, parts)
 
     def train(self, data):
         if not self.sharded:
