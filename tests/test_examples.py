@@ -72,5 +72,20 @@ def test_the_readme_task_trains_in_keras3_as_written(tmp_path, monkeypatch):
                                                 "train.verbose=0"]))
     metrics = trainer.run(config, tmp_path / "run", task=task)
     assert (metrics["keras"], metrics["metric"]) == ("keras", "test_mae")
+    assert metrics["input"] == "by_index"
     assert 0 < metrics["test_mae"] < 0.9, metrics["test_mae"]  # it learnt (spread about 1.5)
     assert (tmp_path / "run" / "model.keras").exists()
+
+
+def test_the_task_by_index_of_docs_tasks_md_trains_as_written(tmp_path, monkeypatch):
+    """docs/tasks.md's example of a task that gives its examples by index."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    section = page.split("## Training examples by index", 1)[1]
+    (tmp_path / "numbered_doc.py").write_text(
+        section.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task, config = tasks.create(cfg.load(None, [
+        "task.name=numbered_doc:Numbered", "task.examples=512", "train.epochs=1",
+        "train.verbose=0", "train.global_batch_size=16"]))
+    metrics = trainer.run(config, tmp_path / "run", task=task)
+    assert metrics["input"] == "by_index" and metrics["steps"] == 512 // 16
