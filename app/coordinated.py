@@ -15,6 +15,7 @@ position it records is exact and is the whole state of the input.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import pathlib
@@ -64,9 +65,9 @@ class LoopBackup:
             self.save(epoch, done)
         self._stop_if_asked(epoch, done)
 
-    def epoch_done(self, epoch: int) -> None:
+    def epoch_done(self, epoch: int, steps: int) -> None:
         self.save(epoch + 1, 0)
-        self._stop_if_asked(epoch + 1, 0)
+        self._stop_if_asked(epoch, steps)  # said as its last step, as the other backups say
 
     def save(self, epoch: int, step: int) -> None:
         self.coordinator.join()  # every step scheduled so far has run
@@ -108,10 +109,12 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps=steps_per_epoch, verbose=verbose)
     first_epoch, first_step = backup.restore()
     model.stop_training = False
+    workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     try:
         with strategy.scope():  # tf_keras builds its compiled metrics at the first trace
             _epochs(model, schedule, coordinator.join, callback_list, backup,
-                    range(first_epoch, epochs), first_step, steps_per_epoch)
+                    range(first_epoch, epochs), first_step, steps_per_epoch,
+                    AHEAD_PER_WORKER * workers)
     except BaseException:
         # Nothing scheduled may run on after this run, into the next one's restore.
         with contextlib.suppress(Exception):
@@ -154,24 +157,35 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
     return lambda k: coordinator.schedule(step, args=(tf.constant(k, tf.int64), loaded))
 
 
+# Steps scheduled ahead of the oldest one still running, per worker: enough to keep
+# every worker busy. The coordinator's queue takes 262,144, so without a bound a whole
+# epoch is scheduled at once and a SIGTERM is heard only at its end, when the grace
+# period a scheduler gives (30 s in Kubernetes) may be long over.
+AHEAD_PER_WORKER = 4
+
+
 def _epochs(model, schedule: Callable[[int], Any], join, callback_list, backup: LoopBackup,
-            epochs: range, first_step: int, steps_per_epoch: int) -> None:
+            epochs: range, first_step: int, steps_per_epoch: int, ahead: int) -> None:
     """`epochs`, the first from `first_step`: each step `schedule`d with its global
-    number, each epoch `join`ed."""
+    number, at most `ahead` of them running, each epoch `join`ed."""
     callback_list.on_train_begin()
+    running: collections.deque = collections.deque()
     for epoch in epochs:
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
         for index in range(first_step if epoch == epochs.start else 0, steps_per_epoch):
             callback_list.on_train_batch_begin(index)
-            schedule(epoch * steps_per_epoch + index)
+            running.append(schedule(epoch * steps_per_epoch + index))
+            if len(running) > ahead:
+                running.popleft().fetch()
             callback_list.on_train_batch_end(index, None)
             if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
                 backup.step_done(epoch, index + 1)
         join()
+        running.clear()
         logs = {name: float(np.asarray(value))
                 for name, value in model.get_metrics_result().items()}
         callback_list.on_epoch_end(epoch, logs)
-        backup.epoch_done(epoch)
+        backup.epoch_done(epoch, steps_per_epoch)
         if model.stop_training:
             break
