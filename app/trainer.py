@@ -141,6 +141,11 @@ def _input(config: Config, task: Task, runner: runners.SingleHost,
                                                steps_per_epoch, config.train.seed))
     log.info("input: by index, %d examples in an order of (train.seed, epoch); every "
              "example once per epoch across failures and resumes", source.size)
+    if config.data.shard_policy != "auto":
+        log.warning("data.shard_policy = %s does not apply to examples read by index: each "
+                    "input pipeline takes its part of every global batch (data.by_index = "
+                    "false reads the task's train_dataset, where it applies)",
+                    config.data.shard_policy)
     return BY_INDEX
 
 
