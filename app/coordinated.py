@@ -90,14 +90,14 @@ class LoopBackup:
 def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
-        with_worker: bool = False):
+        with_worker: bool = False, workers: int = 1):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
     step), each scheduled on a free worker, its batch read by index (`reading`) or
     from the worker's iterator of `dataset_fn`. `keras` is the model's Keras, whose
     callbacks see what they see under tf_keras' fit with a coordinator: a batch ends
     when it is scheduled, an epoch once all of its steps have run. `with_worker`:
     the batch also carries the index of the worker that trains on it (a straggler's
-    train step needs it)."""
+    train step needs it). `workers`: how many there are."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
@@ -109,7 +109,6 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps=steps_per_epoch, verbose=verbose)
     first_epoch, first_step = backup.restore()
     model.stop_training = False
-    workers = strategy.cluster_resolver.cluster_spec().num_tasks("worker")
     try:
         with strategy.scope():  # tf_keras builds its compiled metrics at the first trace
             _epochs(model, schedule, coordinator.join, callback_list, backup,

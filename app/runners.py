@@ -363,7 +363,7 @@ class AsyncPS(SingleHost):
             model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
             self.config.checkpoint.every_steps, reading=self.reading,
-            with_worker=self.straggler is not None)
+            with_worker=self.straggler is not None, workers=self._workers)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is
