@@ -25,14 +25,17 @@ def _config(*overrides: str) -> cfg.Config:
                            "task.model=mlp", *overrides])
 
 
-# SIGTERM during step 3's callbacks: tf_keras' fit saves after step 4 (Backup), Keras 3's
-# loop after step 3 (coordinated.LoopBackup), the rerun going on from the step after.
-@pytest.mark.parametrize("keras, resumed_at", [("tf_keras", (1, 5)), ("keras", (1, 4))])
+# SIGTERM during step 3's callbacks: tf_keras' fit (a task's pipeline) saves after step 4
+# (Backup), the project's loop (by index, either Keras) after step 3
+# (coordinated.LoopBackup), the rerun going on from the step after.
+@pytest.mark.parametrize("keras, by_index, resumed_at", [
+    ("tf_keras", "false", (1, 5)), ("tf_keras", "true", (1, 4)), ("keras", "true", (1, 4))])
 def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, ps_cluster, tmp_path,
-                                                    monkeypatch, keras, resumed_at):
+                                                    monkeypatch, keras, by_index, resumed_at):
     # BackupAndRestore alone never saves here with an integer save_freq (its batch
     # hooks return under ParameterServerStrategy): the rerun would start at step 0.
-    config = _config("checkpoint.every_steps=5", f"task.keras={keras}")
+    config = _config("checkpoint.every_steps=5", f"task.keras={keras}",
+                     f"data.by_index={by_index}")
     attach(monkeypatch, Probe(stop_at=(0, 12)))
     with pytest.raises(Interrupted):
         trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
