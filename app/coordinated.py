@@ -177,9 +177,11 @@ def _epochs(model, schedule: Callable[[int], Any], join, callback_list, backup: 
             running.append(schedule(epoch * steps_per_epoch + index))
             if len(running) > ahead:
                 running.popleft().fetch()
-            callback_list.on_train_batch_end(index, None)
             if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
                 backup.step_done(epoch, index + 1)
+            # After the backup, as under tf_keras' fit: a step logged is saved when a
+            # backup was due there (callbacks.for_training).
+            callback_list.on_train_batch_end(index, None)
         join()
         running.clear()
         logs = {name: float(np.asarray(value))

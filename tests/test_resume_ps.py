@@ -25,11 +25,11 @@ def _config(*overrides: str) -> cfg.Config:
                            "task.model=mlp", *overrides])
 
 
-# SIGTERM during step 3's callbacks: tf_keras' fit (a task's pipeline) saves after step 4
-# (Backup), the project's loop (by index, either Keras) after step 3
-# (coordinated.LoopBackup), the rerun going on from the step after.
+# SIGTERM during step 3's callbacks: tf_keras' fit (Backup, on a task's pipeline) and the
+# project's loop (coordinated.LoopBackup: by index in either Keras) save after step 4,
+# the rerun going on from the step after.
 @pytest.mark.parametrize("keras, by_index, resumed_at", [
-    ("tf_keras", "false", (1, 5)), ("tf_keras", "true", (1, 4)), ("keras", "true", (1, 4))])
+    ("tf_keras", "false", (1, 5)), ("tf_keras", "true", (1, 5)), ("keras", "true", (1, 5))])
 def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, ps_cluster, tmp_path,
                                                     monkeypatch, keras, by_index, resumed_at):
     # BackupAndRestore alone never saves here with an integer save_freq (its batch
