@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from app import config as cfg
 from app import data, indexed, strategy, trainer
+from app.task import Task
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import IndexedNumbered, Params
 
@@ -138,3 +139,21 @@ def test_without_by_index_the_task_pipeline_is_read_and_the_run_says_so(tmp_path
         metrics = numbered_run(tmp_path, strategy.create("default"), "data.by_index=false")
     assert metrics["input"] == "pipeline" and metrics["input_guarantee"] == "none"
     assert "input: a pipeline (data.by_index = false)" in caplog.text
+
+
+def test_a_task_that_gives_only_its_source_has_a_pipeline_of_it_too():
+    class OnlyBySource(Task):
+        def train_source(self):
+            return indexed.Source(100, lambda loaded, i: (i, i % 3))
+
+    task = OnlyBySource(seed=2)
+    shards = []
+    for pipeline in range(2):
+        context = tf.distribute.InputContext(2, pipeline, 2)
+        ids, labels = next(iter(task.train_dataset(context, global_batch_size=20).batch(5)))
+        assert ids.shape == (5, 10)  # per-replica batches of this pipeline's shard
+        shards.append(set(ids.numpy().ravel()))
+        np.testing.assert_array_equal(labels.numpy(), ids.numpy() % 3)
+    assert not shards[0] & shards[1] and len(shards[0] | shards[1]) == 100
+    with pytest.raises(NotImplementedError, match="Task.train_dataset"):
+        Task().train_dataset(tf.distribute.InputContext(), 8)
