@@ -21,15 +21,17 @@ strategy.split_cpu(2)
 # test`'s runners take the files in collection order (--no-loadscope-reorder):
 # started first, the long ones end beside the many short ones instead of after
 # them. Only an order: a file not listed runs after these, as collected.
-LONGEST_FIRST = ("test_compat_multi_worker.py", "test_compat.py", "test_sigterm.py",
-                 "test_restart_task.py", "test_multi_worker.py", "test_slurm_jobs.py",
+LONGEST_FIRST = ("test_compat_multi_worker.py", "test_compat.py", "test_exactly_once.py",
+                 "test_sigterm.py", "test_restart_task.py", "test_multi_worker.py",
+                 "test_slurm_jobs.py",
                  "test_network.py", "test_launch_local.py", "test_data_service.py",
                  "test_train_cli.py", "test_restart.py")
 # Files whose tests are independent of each other (no module fixture, no order):
 # each test may run on either runner. Every other file runs whole on one runner, in
 # order, its module fixtures built once.
-SPREAD = ("test_compat_multi_worker.py", "test_compat.py", "test_sigterm.py",
-          "test_restart_task.py", "test_multi_worker.py", "test_launch_local.py")
+SPREAD = ("test_compat_multi_worker.py", "test_compat.py", "test_exactly_once.py",
+          "test_sigterm.py", "test_restart_task.py", "test_multi_worker.py",
+          "test_launch_local.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
