@@ -141,8 +141,10 @@ class SingleHost:
     def build_optimizer(self, model, task: Task) -> None:
         self.dialect.build_optimizer(model, self.train_fn(task), self.slot_device())
 
-    # Whether this kind of run can read a task's examples by index (app.indexed).
+    # Whether this kind of run can read a task's examples by index (app.indexed), and
+    # whether a step it runs again (after a worker died) may have been applied already.
     reads_by_index = True
+    reruns_applied_steps = False
 
     def read_by_index(self, source: indexed.Source, order: indexed.Order) -> None:
         """Train on `source`'s examples in `order`, from the step the backup restores."""
@@ -266,6 +268,9 @@ MIXED_FLOAT16 = ("the mixed_float16 policy (train.precision, or a layer's dtype)
 class AsyncPS(SingleHost):
     """ParameterServerStrategy: the chief runs Keras fit, whose steps a
     ClusterCoordinator schedules on the workers; variables live on the ps tasks."""
+
+    # The coordinator runs a dead worker's step again, whose update may have landed.
+    reruns_applied_steps = True
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config)

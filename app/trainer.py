@@ -143,17 +143,17 @@ def _input(config: Config, task: Task, runner: runners.SingleHost,
         return PIPELINE
     runner.read_by_index(source, indexed.Order(source.size, config.train.global_batch_size,
                                                steps_per_epoch, config.train.seed))
-    ps = runner.coordinator is not None
+    reruns = runner.reruns_applied_steps
     log.info("input: by index, %d examples in an order of (train.seed, epoch); every "
              "example once per epoch across failures and resumes%s", source.size,
              ", but for a step run again after its worker died, which may have been "
-             "applied already" if ps else "")
+             "applied already" if reruns else "")
     if config.data.shard_policy != "auto":
         log.warning("data.shard_policy = %s does not apply to examples read by index: each "
                     "input pipeline takes its part of every global batch (data.by_index = "
                     "false reads the task's train_dataset, where it applies)",
                     config.data.shard_policy)
-    return BY_INDEX_PS if ps else BY_INDEX
+    return BY_INDEX_PS if reruns else BY_INDEX
 
 
 def _steps_per_epoch(config: Config, task: Task) -> int:
