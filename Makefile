@@ -50,7 +50,7 @@ test-fast: install
 
 # Every strategy side by side: table, runs/bench/bench.json and bench.png
 bench: install
-	$(PY) -m app.bench --config configs/mnist.toml --steps 300 $(ARGS)
+	$(PY) -m tools.bench --config configs/mnist.toml --steps 300 $(ARGS)
 
 # A parameter-server cluster in one process, e.g. make local-cluster WORKERS=2 PS=2
 WORKERS ?= 2
@@ -71,19 +71,19 @@ slurm-cluster-stop:
 	$(PYTHON) -m launch.slurm.local_cluster stop --dir $(SLURM_DIR)
 
 lint: install
-	$(PY) -m ruff check app launch tests examples
+	$(PY) -m ruff check app launch tools tests examples
 
 # docs/configuration.md from the config dataclasses (tests/test_configdoc.py checks it)
 docs: install
-	$(PY) -m app.configdoc
+	$(PY) -m tools.configdoc
 
 # The compatibility suite, recording each zoo case's outcome under each way of training
-# (docs/compatibility.json), then docs/compatibility.md; `make test` checks both.
+# (docs/results/compatibility.json), then docs/compatibility.md; `make test` checks both.
 compat: install
 	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py tests/test_compat_multi_worker.py \
 	    -m "not cluster" -k "not matrix" $(ARGS)
 	COMPAT_RECORD=1 $(PY) -m pytest tests/test_compat.py -m cluster $(ARGS)
-	$(PY) -m app.compatdoc
+	$(PY) -m tools.compatdoc
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

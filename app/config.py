@@ -18,7 +18,7 @@ from typing import Any
 import tomllib
 
 # The smallest runtime.memory_limit_gib: TensorFlow's import alone holds 0.6 GiB
-# resident (app/memory.py), and a task builds a model and a batch besides.
+# resident (app/cluster/memory.py), and a task builds a model and a batch besides.
 MIN_MEMORY_LIMIT_GIB = 1.0
 
 
@@ -72,7 +72,7 @@ class DataConfig:
     # every pipeline reads the whole set, each in its own shuffled order (under
     # parameter servers, in one order: app/task.py, Task.pipeline_seed).
     shard_policy: str = field("auto", choices=("auto", "data", "file", "off"))
-    # The tf.data service dispatcher's host:port (app/data_service.py): the
+    # The tf.data service dispatcher's host:port (app/distribute/data_service.py): the
     # training input pipelines then run in its tf.data workers, sharded among all
     # trainers on demand (shard_policy does not apply), and not in the trainers.
     # "" = off. `launch.local --data-workers N` starts a service and sets it.
@@ -181,9 +181,9 @@ class RuntimeConfig:
     # workers + 1 unless given: fewer can deadlock a ps serving every worker.
     inter_op_threads: int = field(0, minimum=0)
     # The memory each task may use, in GiB (0 = no limit): set in each task's
-    # own process before TensorFlow starts, as RLIMIT_DATA (app/memory.py says
+    # own process before TensorFlow starts, as RLIMIT_DATA (app/cluster/memory.py says
     # why not a cgroup or RLIMIT_AS). A task that outgrows it stops with exit
-    # code 5, naming itself and the limit. app.plan and launch.local refuse a
+    # code 5, naming itself and the limit. tools.plan and launch.local refuse a
     # cluster whose predicted peak per task exceeds it; give the launcher's
     # resources the same limit (launch/k8s, launch/slurm/train.sbatch).
     memory_limit_gib: float = field(0.0, minimum=0)
@@ -219,7 +219,7 @@ class PSConfig:
     # "async": each worker's update is applied as it arrives (the classic
     # ps/worker default, Keras fit). "sync": every update averages the
     # gradients of the first `workers - backup_workers` workers computed on the
-    # current parameters and drops the rest (app/sync_ps.py). In sync mode
+    # current parameters and drops the rest (app/distribute/ps/sync.py). In sync mode
     # train.global_batch_size is the examples per update, split over those workers.
     mode: str = field("async", choices=("async", "sync"))
     # With mode = "sync": the workers whose gradients an update does not wait
@@ -347,14 +347,14 @@ def validate(config: Config) -> None:
     if 0 < limit < MIN_MEMORY_LIMIT_GIB:
         raise ConfigError(
             f"runtime.memory_limit_gib = {limit:g} is below the {MIN_MEMORY_LIMIT_GIB:g} GiB "
-            "a task needs to start TensorFlow at all (app/memory.py); give at least "
+            "a task needs to start TensorFlow at all (app/cluster/memory.py); give at least "
             f"{MIN_MEMORY_LIMIT_GIB:g}, or 0 for no limit")
     address = config.data.service.removeprefix("grpc://")
     if address and not is_address(address):
         raise ConfigError(f"data.service = {config.data.service!r} is not a dispatcher's "
                           "host:port (e.g. localhost:5050); set it to the address of `python "
-                          "-m app.data_service dispatcher`, or to \"\" to read input in the "
-                          "trainers")
+                          "-m app.distribute.data_service dispatcher`, or to \"\" to read input "
+                          "in the trainers")
     if not config.task.name:
         raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
                           "path like 'my_package.my_module:MyTask'")

@@ -150,7 +150,7 @@ def _read(source: Source, batches: tf.data.Dataset) -> tf.data.Dataset:
 
     The read is one call per batch (a gather, or examples made from their index) and
     runs in order: with parallel calls, on 2 cores, the reads took the cores training
-    needed (a single process trained 4% fewer examples/s, `python -m app.bench --rows
+    needed (a single process trained 4% fewer examples/s, `python -m tools.bench --rows
     baseline,baseline_pipeline`). Augmentation, per example and maybe heavy, runs in
     parallel, as `data.batches` runs a pipeline's."""
     if source.load is None:

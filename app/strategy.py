@@ -12,7 +12,7 @@ import logging
 import tensorflow as tf
 
 from app import tf_internal
-from app.cluster import Cluster
+from app.cluster.tf_config import Cluster
 from app.config import Config, ConfigError, RuntimeConfig
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def create(name: str, cluster: Cluster | None = None,
         log.info("MirroredStrategy over %s", ", ".join(devices))
         return tf.distribute.MirroredStrategy(devices)
     if choice == "parameter_server":
-        from app import parameter_server
+        from app.distribute.ps import server as parameter_server
 
         return parameter_server.create(cluster, config.ps, config.cluster.connect_timeout_s)
     if choice == "multi_worker_mirrored":
@@ -127,7 +127,7 @@ class MultiWorkerMirroredStrategy(tf.distribute.MultiWorkerMirroredStrategy):
     collective strategy refuses the `PER_REPLICA` input mode that avoids it
     (only MirroredStrategy takes it). With one replica per worker on its own
     CPU that iterator copies nothing, yet it made 2-worker CNN training on a
-    2-core host about 1.8x as slow (`python -m app.bench --rows baseline,mwms_2w
+    2-core host about 1.8x as slow (`python -m tools.bench --rows baseline,mwms_2w
     --set train.global_batch_size=128`: mwms_2w 0.42 of the baseline through it,
     0.772 with this class). When the replica is
     its worker's only one, the replica's input *is* the worker's input, so
@@ -171,7 +171,7 @@ def input_options(strategy: tf.distribute.Strategy) -> tf.distribute.InputOption
 def describe(strategy: tf.distribute.Strategy) -> str:
     """The strategy's public class name (the default one's class is private)."""
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):
-        return "ParameterServerStrategy"  # also for app.parameter_server's subclass
+        return "ParameterServerStrategy"  # also for app.distribute.ps.server's subclass
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "MultiWorkerMirroredStrategy"  # not its implementation class's name
     name = type(strategy).__name__

@@ -3,7 +3,7 @@
 A task builds its Keras model, gives its training input as a
 `dataset_fn(input_context)` and its evaluation splits as plain datasets,
 names its loss and metrics, and says which metric is its headline. It knows
-nothing about strategies: the runner of each strategy kind (`app.runners`)
+nothing about strategies: the runner of each strategy kind (`app.run.runners`)
 decides what a global batch means, who writes outputs and how evaluation
 stays exact.
 
@@ -138,7 +138,7 @@ class Task:
         """For a variable a step reads by lookup (an embedding table): the expected
         number of its rows one training step of `batch_size` examples reads, per row
         shard (`shard_rows` rows each, in order). None: the step reads all of it.
-        `app.plan` predicts parameter-server traffic with it."""
+        `tools.plan` predicts parameter-server traffic with it."""
         return None
 
     def report(self, model: keras.Model, test: dict[str, float]) -> dict[str, Any]:

@@ -16,7 +16,7 @@ these, only this module breaks, and only the runs that use it:
   `tests/test_dialects.py` fails on an export with a layer whose name begins with
   `_`; the public way is to rename the layer.
 - `op_determinism_enabled`, `disable_op_determinism`: TensorFlow exports
-  `enable_op_determinism` only; `app.determinism` turns it off again after a run
+  `enable_op_determinism` only; `app.run.determinism` turns it off again after a run
   (tests train one config after another in one process). If they move, that
   scope fails as it ends; the public way is to leave determinism on for the
   rest of the process.

@@ -20,10 +20,10 @@ import typing
 # Before TensorFlow is imported: its C++ INFO lines would bury the progress bar.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-from app import chief_failure, memory  # noqa: E402
-from app import cluster as clusters  # noqa: E402
 from app import config as cfg  # noqa: E402
-from app import workdir as workdirs  # noqa: E402
+from app.cluster import chief_failure, memory  # noqa: E402
+from app.cluster import tf_config as clusters  # noqa: E402
+from app.state import workdir as workdirs  # noqa: E402
 
 log = logging.getLogger("app")
 
@@ -103,7 +103,8 @@ def pooled_allocator(runtime: cfg.RuntimeConfig, cluster: clusters.Cluster | Non
 def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     """A ps or worker task of a parameter-server cluster: serve the chief, then exit."""
     # TensorFlow starts here, after all checks.
-    from app import parameter_server, preemption
+    from app.cluster import preemption
+    from app.distribute.ps import server as parameter_server
 
     stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
     # Returns once the chief has finished; raises TaskLost (a chief that does not
@@ -141,7 +142,8 @@ def lost(cluster: clusters.Cluster | None, code: int) -> int:
 def failed(cluster: clusters.Cluster | None, config: cfg.Config | None, code: int,
            reason: str) -> int:
     """`code`, once a parameter-server chief has told its ps and worker tasks that it
-    failed for good, so that they stop too instead of waiting for it (app/chief_failure.py)."""
+    failed for good, so that they stop too instead of waiting for it
+    (app/cluster/chief_failure.py)."""
     wait_s = (config or cfg.Config()).cluster.connect_timeout_s
     chief_failure.tell(cluster, code, reason, wait_s)
     return code
@@ -168,8 +170,10 @@ def main(argv: list[str] | None = None) -> int:
                 raise cfg.ConfigError(
                     "the evaluator task needs --workdir: the chief's workdir, whose "
                     "checkpoints it evaluates (a directory both can reach)")
-            from app import evaluator  # TensorFlow starts here, after all checks.
+            from app.planning import memory as plan_memory  # TensorFlow starts here,
+            from app.run import evaluator  # after all checks.
 
+            plan_memory.check_evaluator(config)  # before the evaluator builds its model
             section = evaluator.run(config, args.workdir)
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0

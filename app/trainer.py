@@ -3,7 +3,7 @@
 `run` is what `python -m app.train` calls; tests call it with an injected
 strategy and a small task, so no cluster and no files outside the workdir.
 It reads as the same short sequence whatever the strategy: everything that
-differs lives in the runner (`app.runners`).
+differs lives in the runner (`app.run.runners`).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any
 
 import tensorflow as tf
 
-from app import callbacks, data, data_service, determinism, dialects, indexed, runners
+from app import data, dialects, indexed
 from app import task as tasks
 from app.config import Config, ConfigError
+from app.distribute import data_service
+from app.run import callbacks, determinism, runners
+from app.state.workdir import METRICS_FILE, ExportFailed, resume_shape, storage_error, write_json
 from app.task import Task
-from app.workdir import METRICS_FILE, ExportFailed, resume_shape, storage_error, write_json
 
 log = logging.getLogger(__name__)
 

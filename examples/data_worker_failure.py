@@ -6,7 +6,7 @@ Both runs: `launch.local --workers 2 --ps 1 --data-workers 2 --restart task
 data_worker:0 is SIGKILLed once the chief has logged step KILL_AT, and
 relaunched alone. Test accuracy of each, from metrics.json.
 
-    python examples/data_worker_failure.py --out docs/data_service_accuracy.json
+    python examples/data_worker_failure.py --out docs/results/data_service_accuracy.json
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ them. The gap is then split in two with the planted teacher:
 Beside them: the fraction of test examples with at least one id seen fewer than
 k times, counted, and predicted from the Zipf laws alone (each rank r of a table
 seen Poisson(n p_r) times). Points are added to those already in
-docs/recommender_learning_curve.json (a rerun of a point replaces it), which is
-written after each, with the chart docs/recommender_learning_curve.png.
+docs/results/recommender_learning_curve.json (a rerun of a point replaces it), which is
+written after each, with the chart docs/results/recommender_learning_curve.png.
 """
 
 from __future__ import annotations

@@ -19,10 +19,12 @@ examples of the next epoch were read early.
   often the step the dead worker held runs again after its update (or part of
   it) had reached the ps: an update applied twice.
 
-    python examples/visitation.py --out docs/visitation.json                  # ~15 min
-    python examples/visitation.py --by-index-table --out docs/visitation_by_index.json  # ~20 min
-    python examples/visitation.py --window 10 --out docs/visitation_window.json        # ~8 min
-    python examples/visitation.py --table docs/visitation_by_index.json       # print a table
+    python examples/visitation.py --out docs/results/visitation.json         # ~15 min
+    python examples/visitation.py --window 10 --out docs/results/visitation_window.json
+    python examples/visitation.py --by-index-table --out docs/results/visitation_by_index.json
+    python examples/visitation.py --table docs/results/visitation_by_index.json  # a table
+
+(the window's runs take ~8 min, the by-index table's ~20 min).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from app.preemption import EXIT_CODE as PREEMPTED  # noqa: E402
+from app.cluster.preemption import EXIT_CODE as PREEMPTED  # noqa: E402
 from tests import launching  # noqa: E402
 
 EXAMPLES, BATCH, KILL_AT, BACKUP_EVERY = 16384, 16, 200, 50

@@ -39,19 +39,19 @@ def start_servers(spec: dict[str, list[str]]) -> None:
     """Start every ps and worker server of `spec` in this process."""
     import tensorflow as tf
 
-    from app.parameter_server import start_server
+    from app.distribute.ps.server import start_server
 
     cluster = tf.train.ClusterSpec(spec)
     for job in ("ps", "worker"):
         for index in range(len(spec[job])):
             start_server(cluster, job, index)
-    # The chief marks each server it has finished with (parameter_server.tell_finished);
+    # The chief marks each server it has finished with (markers.tell_finished);
     # nobody here serves, and so nobody would remove the marks.
     atexit.register(remove_finished_markers, [a for job in ("ps", "worker") for a in spec[job]])
 
 
 def remove_finished_markers(addresses: list[str]) -> None:
-    from app.parameter_server import finished_marker
+    from app.cluster.markers import finished_marker
 
     for address in addresses:
         with contextlib.suppress(FileNotFoundError):

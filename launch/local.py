@@ -9,11 +9,11 @@ when it fails they are stopped. Under parameter servers a worker that dies
 early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
 after any exit code but 2 (a configuration or storage error) and 5 (a task out
-of its memory limit, `--memory-limit-gib`, app/memory.py): 203 is a lost task,
-204 a preemption whose backup was saved (app/preemption.py). With
+of its memory limit, `--memory-limit-gib`, app/cluster/memory.py): 203 is a lost task,
+204 a preemption whose backup was saved (app/cluster/preemption.py). With
 `--restart task` only the failed task is relaunched (each up to
 `--max-restarts` times, 3 unless given), as Kubernetes restarts one pod
-(launch/tasks.py), and the others keep running. SIGTERM to
+(launch/processes.py), and the others keep running. SIGTERM to
 the launcher itself (a scheduler stopping the job) goes to every task, as if
 each had been preempted, and the launcher exits with the lead's code, without
 relaunching.
@@ -27,12 +27,12 @@ relaunching.
 With `--data-workers N` the training input runs in a tf.data service: a
 dispatcher (journaling in the workdir) and N tf.data workers, processes of
 their own started before the trainers and stopped after the lead; each is
-relaunched alone if it dies (app/data_service.py, docs/data_service.md):
+relaunched alone if it dies (app/distribute/data_service.py, docs/data_service.md):
 
     python -m launch.local --workers 2 --ps 1 --data-workers 2 --config configs/mnist_ps.toml
 
 With `--memory-limit-gib` (or runtime.memory_limit_gib in the config) the
-launcher first runs `app.plan`'s memory check of the cluster shape and starts
+launcher first runs `tools.plan`'s memory check of the cluster shape and starts
 nothing if a task's predicted peak exceeds the limit (exit 2).
 
 With `--link RATE[,DELAY]` the cluster runs in a private network namespace
@@ -60,15 +60,15 @@ import time
 import portpicker
 
 from app import config as cfg
-from app.workdir import default_path
-from app.workdir import given as given_workdir
+from app.state.workdir import default_path
+from app.state.workdir import given as given_workdir
 from launch import network
 from launch.inprocess import cluster_spec
-from launch.tasks import (
+from launch.processes import (
     NOT_RETRIED,
     PREEMPTED,
-    DataTask,
-    Task,
+    DataProcess,
+    Process,
     announce,
     exit_text,
     grace,
@@ -79,7 +79,7 @@ from launch.tasks import (
 TASK_RESTARTS = 3  # --max-restarts under --restart task unless given
 # Set by SIGTERM to the launcher itself: the scheduler or the machine is stopping
 # the whole job. Every task is then sent SIGTERM too (training tasks save a backup,
-# app/preemption.py) and nothing is relaunched.
+# app/cluster/preemption.py) and nothing is relaunched.
 _TERMINATED = threading.Event()
 
 
@@ -102,7 +102,7 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
 
 
 def start_tasks(args: argparse.Namespace, train_args: list[str]
-                ) -> tuple[list[Task], network.Links | None]:
+                ) -> tuple[list[Process], network.Links | None]:
     """Pick the ports, give them links when asked (in this process's own network
     namespace), start every task; (the tasks, their links or None)."""
     host = task_host(args)
@@ -115,7 +115,7 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
         announce(f"every task's port limited to {args.link_text} each way")
     tasks = data_tasks(args, host)  # first: the trainers wait for the dispatcher
     hear = links.heard if links and args.partitions else None
-    tasks += [Task(job, i, spec, train_args, hear)
+    tasks += [Process(job, i, spec, train_args, hear)
               for job in ("ps", "worker", "chief", "evaluator")
               for i in range(len(spec.get(job, ())))]
     if links:
@@ -129,16 +129,16 @@ def task_host(args: argparse.Namespace) -> str:
     return network.HOST if args.link else "localhost"
 
 
-def data_tasks(args: argparse.Namespace, host: str) -> list[Task]:
+def data_tasks(args: argparse.Namespace, host: str) -> list[Process]:
     """With --data-workers N: the tf.data service's dispatcher, journaling in the
     workdir (fault-tolerant), and N tf.data workers, each on a port of its own that
     a restart keeps, as a pod's address stays."""
     if not args.data_workers:
         return []
     dispatcher = f"{host}:{args.dispatcher_port}"
-    tasks = [DataTask("dispatcher", 0, {}, ["dispatcher", "--port", str(args.dispatcher_port),
+    tasks = [DataProcess("dispatcher", 0, {}, ["dispatcher", "--port", str(args.dispatcher_port),
                                              "--work-dir", str(args.workdir / "data_service")])]
-    return tasks + [DataTask("data_worker", i, {}, [
+    return tasks + [DataProcess("data_worker", i, {}, [
         "worker", "--dispatcher", dispatcher, "--host", host, "--port", str(port)])
         for i, port in enumerate(args.data_worker_ports)]
 
@@ -212,7 +212,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
     return code, failed is not None
 
 
-def relaunch_data(tasks: list[Task], restarts: dict[str, int]) -> None:
+def relaunch_data(tasks: list[Process], restarts: dict[str, int]) -> None:
     """Relaunch alone each tf.data service task that failed, up to TASK_RESTARTS times:
     it holds no training state (a dispatcher resumes from its journal), so the
     trainers need not stop for it. A task out of restarts stays dead: the trainers
@@ -227,14 +227,14 @@ def relaunch_data(tasks: list[Task], restarts: dict[str, int]) -> None:
         tasks[i] = task.again()
 
 
-def lead_task(args: argparse.Namespace, tasks: list[Task]) -> Task:
+def lead_task(args: argparse.Namespace, tasks: list[Process]) -> Process:
     """The task whose exit is the job's: the chief, or worker 0 without ps."""
     return next(t for t in tasks if t.label == ("chief:0" if args.ps else "worker:0"))
 
 
 def run_alone(args: argparse.Namespace, train_args: list[str]) -> int:
     """`--restart task`: start every task, relaunch each that fails alone (see
-    launch/tasks.py); the exit code."""
+    launch/processes.py); the exit code."""
     tasks, links = start_tasks(args, train_args)
     try:
         return restart_alone(tasks, lead_task(args, tasks), args.max_restarts, _TERMINATED)
@@ -250,7 +250,7 @@ def task_labels(args: argparse.Namespace) -> list[str]:
 
 
 def check_memory(args: argparse.Namespace, train_args: list[str]) -> int:
-    """When the tasks' config sets runtime.memory_limit_gib, `app.plan`'s check of
+    """When the tasks' config sets runtime.memory_limit_gib, `tools.plan`'s check of
     this cluster shape against it, in a process of its own (it builds the model,
     which the launcher should not hold while the tasks run); 0, or 2 with the
     plan's error printed when a task's predicted peak exceeds the limit."""
@@ -264,7 +264,7 @@ def check_memory(args: argparse.Namespace, train_args: list[str]) -> int:
         return 0  # every task reports it, with exit code 2
     if not limit:
         return 0
-    command = [sys.executable, "-m", "app.plan", "--ps", str(args.ps),
+    command = [sys.executable, "-m", "tools.plan", "--ps", str(args.ps),
                "--workers", str(args.workers)]
     command += [arg for s in given.set for arg in ("--set", s)]
     command += ["--config", given.config] if given.config else []
@@ -343,11 +343,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--data-workers", type=int, default=0, metavar="N",
                         help="run the training input pipelines in a tf.data service: a "
                              "dispatcher and N tf.data workers, each a process of its own "
-                             "(sets data.service; app/data_service.py)")
+                             "(sets data.service; app/distribute/data_service.py)")
     parser.add_argument("--memory-limit-gib", type=float, metavar="GIB",
                         help="limit every task's memory to GIB (runtime.memory_limit_gib, "
-                             "app/memory.py); the cluster is not started if app.plan predicts "
-                             "a task's peak above it")
+                             "app/cluster/memory.py); the cluster is not started if tools.plan "
+                             "predicts a task's peak above it")
     args, train_args = parser.parse_known_args(argv)
     if args.max_restarts is None:  # naming a restart policy asks for restarts
         args.max_restarts = TASK_RESTARTS if args.restart == "task" else 0

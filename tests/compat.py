@@ -9,8 +9,8 @@ and computed Keras' formula), and the exported SavedModel must serve the raw
 test features with the same predictions. A case is refused when the run stops
 before training with a ConfigError (exit 2, one line); anything else is a bug.
 
-The results are `docs/compatibility.json`, rendered to `docs/compatibility.md`
-(`python -m app.compatdoc`); tests/test_compat.py checks that each run gives the
+The results are `docs/results/compatibility.json`, rendered to `docs/compatibility.md`
+(`python -m tools.compatdoc`); tests/test_compat.py checks that each run gives the
 recorded outcome. Run as a script, it is one worker of a MultiWorkerMirrored
 pair (TF_CONFIG set) and prints its results as JSON.
 """
@@ -26,10 +26,11 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import compatdoc, dialects, trainer
 from app import config as cfg
+from app import dialects, trainer
 from app import task as tasks
-from app.workdir import CHECKPOINT_DIR
+from app.state.workdir import CHECKPOINT_DIR
+from tools import compatdoc
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 import zoo  # noqa: E402
@@ -57,7 +58,7 @@ TOLERANCE = 1e-4
 
 
 def check(name: str, way: str, result: dict) -> None:
-    """`result` is right in itself and is the outcome docs/compatibility.json records
+    """`result` is right in itself and is the outcome docs/results/compatibility.json records
     (with COMPAT_RECORD set: record it there instead)."""
     assert result["outcome"] in ("works", "refused"), result
     if result["outcome"] == "works" and "headline" in result:
@@ -151,8 +152,8 @@ def part(index: int, parts: int) -> list[str]:
 def main() -> int:
     """One worker of a MultiWorkerMirrored pair: the cases of part INDEX of PARTS
     (`compat.py WORKDIR INDEX PARTS`), in the same order as its peer."""
-    from app import cluster as clusters
     from app import strategy as strategies
+    from app.cluster import tf_config as clusters
 
     workdir, index, parts = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
     cluster = clusters.read()

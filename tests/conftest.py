@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from app import cluster as clusters
 from app import config as cfg
 from app import strategy
+from app.cluster import tf_config as clusters
 from app.tasks.mnist import Mnist
 
 strategy.split_cpu(2)
@@ -98,7 +98,7 @@ def ps_cluster() -> clusters.Cluster:
 
 @pytest.fixture(scope="session")
 def ps_strategy(ps_cluster):
-    from app import parameter_server
+    from app.distribute.ps import server as parameter_server
 
     return parameter_server.create(ps_cluster, cfg.PSConfig(), connect_timeout_s=30)
 

@@ -3,7 +3,7 @@
 import os
 import signal
 
-from app import callbacks
+from app.run import callbacks
 
 
 class Interrupted(RuntimeError):

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from app import bench, bench_report
+from tools import bench, bench_report
 
 
 def sets(args: list[str]) -> list[str]:
@@ -189,7 +189,7 @@ def test_measured_step_times_are_set_beside_the_bound():
     assert results["ps_2w2p"]["step_ms"] == 500 and results["ps_2w2p"]["step_over_bound"] == 1.25
     assert "plan_bound_ms" not in results["baseline"]
     assert bench_report.bound_lines(results) == [
-        "ps_2w2p: step 500.0 ms, app.plan's bound 400.0 ms (ps:1 sends): 1.250x"]
+        "ps_2w2p: step 500.0 ms, tools.plan's bound 400.0 ms (ps:1 sends): 1.250x"]
 
 
 def test_sweep_chart_draws_throughput_against_bandwidth(tmp_path):
@@ -214,7 +214,7 @@ def test_a_saved_report_is_printed_and_drawn_again(tmp_path, capsys):
     row = {"examples_per_sec": 200.0, "ratio": 0.5, "steps_per_sec": 2.0, "test_metric": 0.9,
            "peak_memory_mib": 900, "link": "100mbit", "plan_bound_ms": 400.0,
            "plan_bound_link": "what ps:0 sends", "step_ms": 500.0, "step_over_bound": 1.25}
-    report = {"command": "python -m app.bench --links 100mbit,1gbit",
+    report = {"command": "python -m tools.bench --links 100mbit,1gbit",
               "machine": {"cpu": "cpu", "cores": 2, "gpu": "none"},
               "links": ["100mbit", "1gbit"],
               "rows": {"baseline": {**row, "examples_per_sec": 400.0, "ratio": 1.0},
@@ -226,4 +226,4 @@ def test_a_saved_report_is_printed_and_drawn_again(tmp_path, capsys):
     assert (tmp_path / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     (tmp_path / "other.json").write_text("{}")
     assert bench_report.main([str(tmp_path / "other.json")]) == 2
-    assert "not a report app.bench wrote (KeyError" in capsys.readouterr().err
+    assert "not a report tools.bench wrote (KeyError" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """A chief that failed for good tells its ps and worker tasks over plain TCP on its
-own port (app/chief_failure.py): no TensorFlow, no cluster, a second or two."""
+own port (app/cluster/chief_failure.py): no TensorFlow, no cluster, a second or two."""
 
 import json
 import socket
@@ -8,8 +8,8 @@ import time
 
 import portpicker
 
-from app import chief_failure
-from app import cluster as clusters
+from app.cluster import chief_failure
+from app.cluster import tf_config as clusters
 
 REFUSAL = ("--workdir /runs/a already holds a finished run (metrics.json); choose a new "
            "--workdir\nsecond line")

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from app import cluster as clusters
+from app.cluster import tf_config as clusters
 
 PS_CLUSTER = {"chief": ["h0:2222"], "ps": ["h1:2222"], "worker": ["h2:2222", "h3:2222"]}
 

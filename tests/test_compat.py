@@ -1,7 +1,7 @@
 """The compatibility matrix: each zoo case (tests/zoo.py), each way of training
 (the MultiWorkerMirrored column: tests/test_compat_multi_worker.py).
 
-Every combination must give the outcome `docs/compatibility.json` records; one
+Every combination must give the outcome `docs/results/compatibility.json` records; one
 that trains must match Keras' one-process `evaluate` and export (tests/compat.py).
 After a change of outcome, `make compat` runs these with COMPAT_RECORD=1, which
 trains every case (`make test` leaves out Keras 2's copies of `compat.SAME_IN_BOTH`),
@@ -16,7 +16,7 @@ import compat
 import pytest
 from conftest import one_device_reduction_mirrored
 
-from app import compatdoc
+from tools import compatdoc
 
 CASES = compat.CHECKED
 

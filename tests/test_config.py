@@ -48,7 +48,8 @@ def test_round_trip_through_written_toml(tmp_path):
     ("task.name=", "task.name is empty; name a built-in task (mnist) or an import path"),
     ("runtime.memory_limit_gib=-1", "runtime.memory_limit_gib = -1.0 must be >= 0"),
     ("runtime.memory_limit_gib=0.5", "runtime.memory_limit_gib = 0.5 is below the 1 GiB a task "
-     "needs to start TensorFlow at all (app/memory.py); give at least 1, or 0 for no limit"),
+     "needs to start TensorFlow at all (app/cluster/memory.py); give at least 1, or 0 for "
+     "no limit"),
 ])
 def test_bad_overrides_name_the_field_and_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:

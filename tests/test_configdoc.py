@@ -4,9 +4,9 @@ import dataclasses
 import re
 
 from app import config as cfg
-from app import configdoc
 from app.tasks.mnist import Mnist
 from app.tasks.recommender import Recommender
+from tools import configdoc
 
 
 def documented_keys() -> set[str]:
@@ -22,7 +22,7 @@ def documented_keys() -> set[str]:
 def test_the_file_is_up_to_date():
     text = configdoc.OUTPUT.read_text()
     assert text == configdoc.render(), (
-        "docs/configuration.md is out of date: run `python -m app.configdoc` (make docs)")
+        "docs/configuration.md is out of date: run `python -m tools.configdoc` (make docs)")
 
 
 def test_every_field_of_every_section_has_a_row_with_its_meaning():

@@ -1,4 +1,4 @@
-"""The tf.data service (app/data_service.py): what it refuses, training through it in
+"""The tf.data service (app/distribute/data_service.py): what it refuses, training through it in
 one process and under Mirrored, and, end to end with launch.local, what one epoch
 of a parameter-server run sees when a trainer or a tf.data worker is SIGKILLed.
 The examples are numbered (tests/numbered.py): metrics.json counts their visits."""
@@ -12,8 +12,10 @@ import portpicker
 import pytest
 import tensorflow as tf
 
-from app import chief_failure, data_service, strategy, trainer
 from app import config as cfg
+from app import strategy, trainer
+from app.cluster import chief_failure
+from app.distribute import data_service
 from tests import launching
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import Numbered, Params, PythonNumbered
@@ -68,7 +70,7 @@ def test_an_unreachable_dispatcher_is_named_within_the_timeout():
 @pytest.mark.parametrize("kind", ["default", "mirrored"])
 def test_training_reads_every_example_once_through_the_service(tmp_path, dispatcher, kind,
                                                                 caplog):
-    caplog.set_level("INFO", logger="app.data_service")
+    caplog.set_level("INFO", logger="app.distribute.data_service")
     examples, batch = 512, 16
     config = cfg.load(overrides=[
         "task.name=tests.numbered:Numbered", "train.epochs=2", "train.verbose=0",

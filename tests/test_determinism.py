@@ -16,7 +16,8 @@ import tensorflow as tf
 import tf_keras
 
 from app import config as cfg
-from app import data, dialects, preemption, strategy, tf_internal, trainer
+from app import data, dialects, strategy, tf_internal, trainer
+from app.cluster import preemption
 from app.config import field
 from app.task import Task
 from app.tasks.mnist import Mnist

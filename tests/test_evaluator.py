@@ -5,7 +5,9 @@ import tensorflow as tf
 from tf_keras.src.utils import sidecar_evaluator
 
 from app import config as cfg
-from app import evaluator, trainer
+from app import trainer
+from app.planning import memory as plan_memory
+from app.run import evaluator
 from tests.conftest import tiny_task
 
 SETTINGS = ["train.epochs=2", "train.global_batch_size=32", "eval.test_every_epoch=false",
@@ -62,9 +64,9 @@ def test_an_evaluator_that_cannot_hold_the_model_is_refused_before_building_it()
     # Tables of 618 MiB (scale 0.3): with TensorFlow's own 700 MiB, over 1 GiB.
     tables = ["task.name=recommender", "task.table_scale=0.3"]
     with pytest.raises(cfg.ConfigError) as e:
-        evaluator.check_memory(cfg.load(None, [*tables, "runtime.memory_limit_gib=1"]))
+        plan_memory.check_evaluator(cfg.load(None, [*tables, "runtime.memory_limit_gib=1"]))
     assert str(e.value).startswith(
         "the evaluator task would peak at 1.5 GiB, over runtime.memory_limit_gib = 1 GiB: "
         "it restores each checkpoint into a whole model of its own. Evaluate on the workers "
         "instead"), e.value
-    evaluator.check_memory(cfg.load(None, [*tables, "runtime.memory_limit_gib=2"]))
+    plan_memory.check_evaluator(cfg.load(None, [*tables, "runtime.memory_limit_gib=2"]))

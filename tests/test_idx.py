@@ -4,7 +4,7 @@ import struct
 import numpy as np
 import pytest
 
-from app import idx
+from app.tasks import idx
 from app.tasks.mnist import BUNDLED
 
 

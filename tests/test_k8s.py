@@ -12,9 +12,11 @@ import signal
 import pytest
 import yaml
 
-from app import chief_failure, data_service, memory, preemption, strategy, train
-from app import cluster as clusters
 from app import config as cfg
+from app import strategy, train
+from app.cluster import chief_failure, memory, preemption
+from app.cluster import tf_config as clusters
+from app.distribute import data_service
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 K8S = ROOT / "launch" / "k8s"
@@ -279,7 +281,7 @@ def test_the_workdir_claim_and_network_policies_are_well_formed():
 
 def test_the_data_service_serves_the_tfjob_and_ends_with_its_chief(tfjob_validator):
     """data-service-ps.yaml: a Service for the dispatcher, Jobs for the dispatcher and
-    the tf.data workers, whose arguments app.data_service takes, pointing at each
+    the tf.data workers, whose arguments app.distribute.data_service takes, pointing at each
     other, at the TFJob's chief and workdir; the TFJob reading from it still
     validates, and its config loads."""
     items = {item["metadata"]["name"]: item for item in load("data-service-ps.yaml")["items"]}

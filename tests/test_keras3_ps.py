@@ -9,8 +9,11 @@ import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import plan, ps_evaluation, runners, trainer
+from app import trainer
 from app.dialects import keras3, keras3_ps
+from app.distribute.ps import evaluation as ps_evaluation
+from app.planning import model as plan
+from app.run import runners
 from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.cluster

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from app.cluster import TaskLost
-from app.preemption import EXIT_CODE as PREEMPTED
-from launch import local, network, tasks
+from app.cluster.preemption import EXIT_CODE as PREEMPTED
+from app.cluster.tf_config import TaskLost
+from launch import local, network, processes
 from tests import launching
 
 LOST = TaskLost.exit_code
@@ -145,7 +145,7 @@ def test_restart_alone_relaunches_each_failed_task_up_to_the_limit(ps_codes, max
     ps = FakeTask("ps:1", ps_codes, seen)
     chief = FakeTask("chief:0", [LOST, 0], seen)
     stopped = threading.Event()
-    assert tasks.restart_alone([ps, chief], chief, max_restarts, stopped) == result
+    assert processes.restart_alone([ps, chief], chief, max_restarts, stopped) == result
     assert seen == started
 
 
@@ -159,14 +159,14 @@ def test_a_tf_data_service_task_is_relaunched_alone_and_stopped_after_the_lead()
     assert seen == ["data_worker:0", "chief:0", "data_worker:0"] and restarts == {
         "data_worker:0": 1}
     chief.returncode = 0
-    assert tasks.restart_alone(running, chief, 3, threading.Event()) == 0
+    assert processes.restart_alone(running, chief, 3, threading.Event()) == 0
     assert running[0].returncode == PREEMPTED  # SIGTERM, once the chief had finished
 
 
 def test_restart_alone_does_not_retry_a_configuration_error():
     seen = []
     worker, chief = FakeTask("worker:0", [2], seen), FakeTask("chief:0", [None], seen)
-    assert tasks.restart_alone([worker, chief], chief, 5, threading.Event()) == 2
+    assert processes.restart_alone([worker, chief], chief, 5, threading.Event()) == 2
     assert seen == ["worker:0", "chief:0"] and chief.returncode == PREEMPTED  # stopped
 
 

@@ -1,5 +1,5 @@
-"""The memory limit per task (app/memory.py) and app.plan's check against it
-(app/plan_memory.py): a process over its limit fails with the named error and exit
+"""The memory limit per task (app/cluster/memory.py) and tools.plan's check against it
+(app/planning/memory.py): a process over its limit fails with the named error and exit
 code 5; a cluster shape that cannot fit is refused before anything starts."""
 
 import json
@@ -10,8 +10,10 @@ import sys
 import pytest
 
 from app import config as cfg
-from app import memory, plan, plan_memory
-from launch import local, tasks
+from app.cluster import memory
+from app.planning import memory as plan_memory
+from app.planning import model as plan
+from launch import local, processes
 
 # The recommender at 15% of Criteo's table sizes: 5.1M rows of 16 floats
 # (309 MiB) and as much again of Adagrad's accumulators: built here in a second.
@@ -23,7 +25,7 @@ QUIET = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
 def test_an_allocation_past_the_limit_fails_in_the_process_not_the_machine():
     # RLIMIT_DATA counts numpy's mmap'd arrays: the 2nd GiB fails at a 1.5 GiB limit.
     script = ("import numpy as np\n"
-              "from app import memory\n"
+              "from app.cluster import memory\n"
               "memory.apply_limit(1.5)\n"
               "held = [np.ones(1 << 27) for _ in range(2)]  # 1 GiB each\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -37,7 +39,7 @@ def test_the_limit_leaves_room_for_the_stacks_of_threads_started_later():
     # 0.5 GiB array would fail at 1 GiB; followed, it fits, and 1 GiB more does not.
     script = ("import resource, threading, time\n"
               "import numpy as np\n"
-              "from app import memory\n"
+              "from app.cluster import memory\n"
               "memory.follow_threads(1.0)\n"
               "stop = threading.Event()\n"
               "for _ in range(120): threading.Thread(target=stop.wait, daemon=True).start()\n"
@@ -57,7 +59,7 @@ def test_the_limit_leaves_room_for_the_stacks_of_threads_started_later():
 def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
     # 40% of Criteo's table sizes (0.8 GiB of tables, as much of slots) under a 1 GiB
     # limit, one process. With malloc as TensorFlow's allocator: the BFC pool (the
-    # default) waits 10 s for memory to be freed before it fails (app/memory.py).
+    # default) waits 10 s for memory to be freed before it fails (app/cluster/memory.py).
     done = subprocess.run(
         [sys.executable, "-m", "app.train", "--config", "configs/recommender.toml",
          "--set", "runtime.memory_limit_gib=1", "--set", "task.table_scale=0.4",
@@ -71,7 +73,7 @@ def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
                            "(runtime.memory_limit_gib = 1 GiB), allocating a tensor of "
                            "shape ["), last
     assert last.endswith("raise the limit, or add ps tasks to spread the tables (python -m "
-                         "app.plan --memory-limit-gib 1 says how many); exit code 5"), last
+                         "tools.plan --memory-limit-gib 1 says how many); exit code 5"), last
 
 
 def test_the_error_names_the_task_tensorflow_could_not_allocate_on():
@@ -89,9 +91,9 @@ def test_the_error_names_the_task_tensorflow_could_not_allocate_on():
     assert memory.message(error, "chief:0", 4).startswith(
         "ps:1 ran out of its memory limit (runtime.memory_limit_gib = 4 GiB), allocating a "
         "tensor of shape [1000,16]; raise the limit")
-    assert tasks.exit_text(memory.EXIT_CODE) == (
+    assert processes.exit_text(memory.EXIT_CODE) == (
         "5 (out of its memory limit, runtime.memory_limit_gib)")
-    assert memory.EXIT_CODE in tasks.NOT_RETRIED  # the same limit would fail again
+    assert memory.EXIT_CODE in processes.NOT_RETRIED  # the same limit would fail again
 
 
 @pytest.fixture(scope="module")
@@ -137,8 +139,8 @@ def test_the_launcher_starts_nothing_when_a_task_cannot_fit(capfd):
 
 
 def test_a_ps_under_a_limit_allocates_with_malloc_what_it_holds():
-    from app import cluster as clusters
     from app import train
+    from app.cluster import tf_config as clusters
 
     spec = {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]}
 

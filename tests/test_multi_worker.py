@@ -56,7 +56,8 @@ def test_two_workers_train_in_sync_and_a_killed_one_resumes_both_from_the_backup
 # batches of examples numbered 0..99 through the input path fit() uses.
 READ_SHARD = """
 import json, numpy as np, tensorflow as tf
-from app import cluster, strategy
+from app.cluster import tf_config as cluster
+from app import strategy
 from app.tasks.mnist import Mnist
 s = strategy.create("auto", cluster.read())
 images = np.zeros((100, 28, 28, 1), np.uint8)
@@ -82,7 +83,8 @@ def test_each_worker_reads_its_own_shard_through_a_plain_iterator():
 # traced on each worker: one collective all-reduce op per pack.
 COUNT_PACKS = """
 import sys, tensorflow as tf, tf_keras
-from app import cluster, config, strategy
+from app.cluster import tf_config as cluster
+from app import config, strategy
 from app.tasks import mnist
 conf = config.load(None, [f"sync.bytes_per_pack={sys.argv[1]}"])
 s = strategy.create("auto", cluster.read(), conf)
@@ -120,7 +122,9 @@ def test_gradients_are_all_reduced_in_packs_of_sync_bytes_per_pack(bytes_per_pac
 # update their copies as Keras' Adagrad updates one table from both workers' rows.
 GATHER_TABLES = """
 import json, numpy as np, tensorflow as tf, tf_keras
-from app import cluster, config, optimizers, strategy
+from app.cluster import tf_config as cluster
+from app import config, strategy
+from app.dialects import keras2_optimizers as optimizers
 s = strategy.create("auto", cluster.read(), config.load(None, []))
 shapes = [(9, 3), (5, 2), (7, 4)]
 with s.scope():

@@ -5,7 +5,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import optimizers
+from app.dialects import keras2_optimizers as optimizers
 from tests.conftest import one_device_reduction_mirrored
 
 

@@ -20,10 +20,15 @@ import tensorflow as tf
 import tf_keras as keras
 import zoo
 
-from app import chief_failure, parameter_server, plan, runners, trainer
-from app import cluster as clusters
 from app import config as cfg
+from app import trainer
+from app.cluster import chief_failure, markers
+from app.cluster import tf_config as clusters
 from app.dialects import keras2
+from app.distribute.ps import server as parameter_server
+from app.distribute.ps import variables as ps_variables
+from app.planning import model as plan
+from app.run import runners
 from launch import inprocess
 from tests.conftest import tiny_task
 
@@ -78,8 +83,8 @@ def test_variables_live_on_ps_and_the_big_kernel_is_sharded_over_both(ps_strateg
 def test_placement_lists_a_lookup_table_among_the_weights_as_not_a_variable(ps_strategy):
     with ps_strategy.scope():
         model = zoo.TextVectorizationModel().build_model()
-    placement = parameter_server.placement(model.weights, num_ps=2)
-    assert [type(w).__name__ for w in model.weights if not parameter_server.is_variable(w)] == [
+    placement = ps_variables.placement(model.weights, num_ps=2)
+    assert [type(w).__name__ for w in model.weights if not ps_variables.is_variable(w)] == [
         "VocabWeightHandler"]
     assert len(placement.others) == 1 and len(placement.shards) == 3  # embedding, kernel, bias
     assert any("not a variable" in line for line in placement.report())
@@ -239,7 +244,7 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
         done.set()
 
     threading.Thread(target=run, name=said.thread_name, daemon=True).start()
-    outcome["marker"] = parameter_server.finished_marker(spec[job][0])
+    outcome["marker"] = markers.finished_marker(spec[job][0])
     return chief, outcome, done
 
 
@@ -288,7 +293,7 @@ def test_a_task_whose_chief_failed_after_connecting_reads_it_in_the_marker():
     chief.close()
     # What the chief's tell_failed writes through TF on this task's disk.
     with open(outcome["marker"] + ".tmp", "w") as f:  # whole, as TF's write is
-        f.write(parameter_server.FAILED + chief_failure.message(1, "ValueError: bad batch"))
+        f.write(markers.FAILED + chief_failure.message(1, "ValueError: bad batch"))
     os.replace(outcome["marker"] + ".tmp", outcome["marker"])
     assert done.wait(timeout=HANG_S)
     assert outcome["error"].exit_code == 1

@@ -4,7 +4,9 @@ import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import parameter_server, plan
+from app.distribute.ps import variables as ps_variables
+from app.planning import model as plan
+from tools import plan as plan_command
 
 DENSE_KERNEL = tf.TensorShape([3136, 1024])  # the CNN's 12.25 MiB kernel
 
@@ -16,13 +18,13 @@ DENSE_KERNEL = tf.TensorShape([3136, 1024])  # the CNN's 12.25 MiB kernel
     (["ps.partitioner=fixed"], 2, 2),  # num_shards 0: one per ps task
 ])
 def test_partitioners_split_by_config(setting, shards_of_kernel, shards_of_bias):
-    split = parameter_server.partitioner(cfg.load(None, setting).ps, num_ps=2)
+    split = ps_variables.partitioner(cfg.load(None, setting).ps, num_ps=2)
     assert split(DENSE_KERNEL, tf.float32)[0] == shards_of_kernel
     assert split(tf.TensorShape([1024]), tf.float32)[0] == shards_of_bias
 
 
 def test_no_partitioner_places_whole_variables():
-    assert parameter_server.partitioner(cfg.load(None, ["ps.partitioner=none"]).ps, 2) is None
+    assert ps_variables.partitioner(cfg.load(None, ["ps.partitioner=none"]).ps, 2) is None
 
 
 def test_plan_balances_the_cnn_over_two_ps_where_round_robin_does_not():
@@ -42,12 +44,12 @@ def test_plan_halves_the_gradient_bytes_of_a_float16_push():
 
 
 def test_plan_command_prints_the_report(capsys):
-    assert plan.main(["--config", "configs/mnist_ps.toml", "--ps", "2"]) == 0
+    assert plan_command.main(["--config", "configs/mnist_ps.toml", "--ps", "2"]) == 0
     out = capsys.readouterr().out
     # Layer names carry a suffix when other tests built models in this process.
     assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
     assert "max/mean = 1.013" in out
-    assert plan.main(["--ps", "-1"]) == 2
+    assert plan_command.main(["--ps", "-1"]) == 2
 
 
 def test_a_link_turns_the_busiest_directions_bytes_into_a_step_time_bound():
@@ -72,7 +74,7 @@ def test_a_workers_read_then_push_bounds_the_step_when_it_is_longer():
 
 def test_plan_command_prints_the_bound_of_a_link(capsys):
     args = ["--config", "configs/mnist_ps.toml", "--ps", "2", "--link", "1gbit"]
-    assert plan.main(args) == 0
+    assert plan_command.main(args) == 0
     out = capsys.readouterr().out
     # min_size splits the 12.25 MiB kernel in two: a worker reads the larger half
     # (6.3 MiB) from its ps task, then pushes all 12.5 MiB of gradients.
@@ -81,9 +83,9 @@ def test_plan_command_prints_the_bound_of_a_link(capsys):
     assert bound and float(bound[1]) == pytest.approx((6.3 + 12.5) * 2**20 * 8 / 1e9 / 2 * 1000,
                                                       rel=0.01)
     # Float16 pushes halve that chain; the 6.3 MiB leaving a ps task each step binds.
-    assert plan.main([*args, "--set", "ps.compression=fp16"]) == 0
+    assert plan_command.main([*args, "--set", "ps.compression=fp16"]) == 0
     assert re.search(r"set by what ps:\d sends", capsys.readouterr().out)
-    assert plan.main(["--ps", "2", "--link", "1gb"]) == 2
+    assert plan_command.main(["--ps", "2", "--link", "1gb"]) == 2
     assert "error: --link '1gb': cannot read '1gb'" in capsys.readouterr().err
 
 
@@ -113,7 +115,7 @@ def test_a_tables_sparse_gradient_is_all_gathered_row_by_row():
 def test_plan_command_prints_the_all_reduces_bound(capsys):
     args = ["--config", "configs/mnist_sync.toml", "--ps", "0", "--workers", "2",
             "--link", "100mbit"]
-    assert plan.main(args) == 0
+    assert plan_command.main(args) == 0
     out = capsys.readouterr().out
     assert "each worker sends and receives 12.5 MiB per training step" in out
     bound = re.search(r"lower bound on the step time ([\d.]+) ms", out)
@@ -133,5 +135,5 @@ def test_a_variable_of_unknown_shape_is_left_whole():
     # tf_keras' adapted Discretization makes a (2, None) summary in the strategy's scope;
     # TensorFlow's size partitioners multiply its None (and the chief failed).
     for setting in (["ps.partitioner=min_size"], ["ps.partitioner=fixed"]):
-        split = parameter_server.partitioner(cfg.load(None, setting).ps, num_ps=2)
+        split = ps_variables.partitioner(cfg.load(None, setting).ps, num_ps=2)
         assert split(tf.TensorShape([2, None]), tf.float32) == [1, 1]

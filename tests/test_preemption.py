@@ -10,8 +10,11 @@ import types
 import pytest
 import tensorflow as tf
 
-from app import callbacks, preemption, strategy, trainer, workdir
 from app import config as cfg
+from app import strategy, trainer
+from app.cluster import preemption
+from app.run import callbacks
+from app.state import workdir
 from tests.conftest import tiny_task
 from tests.probing import Interrupted, Probe, attach
 
@@ -111,7 +114,7 @@ def test_a_run_resumed_after_its_last_epoch_reports_every_earlier_row(tmp_path):
 def test_step_log_counts_from_the_runs_start_across_epochs(caplog):
     log = callbacks.StepLog(every=5)
     log.set_params({"steps": 8})
-    with caplog.at_level(logging.INFO, logger="app.callbacks"):
+    with caplog.at_level(logging.INFO, logger="app.run.callbacks"):
         log.on_epoch_begin(1)  # a run resumed in epoch 2, at its step 1
         for begin, end in [(1, 2), (3, 4), (5, 6), (7, 7)]:  # steps_per_execution=2
             log.on_train_batch_begin(begin)

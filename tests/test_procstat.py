@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from app import procstat
+from tools import procstat
 
 
 def test_peak_memory_is_read_per_process():

@@ -10,8 +10,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import config as cfg
-from app import plan, trainer
 from app import task as tasks
+from app import trainer
+from app.planning import model as plan
 from app.tasks import ctr_data, dlrm
 from app.tasks.recommender import Recommender
 from tests.conftest import one_device_reduction_mirrored

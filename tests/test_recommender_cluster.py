@@ -9,8 +9,9 @@ import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import plan, trainer
 from app import task as tasks
+from app import trainer
+from app.planning import model as plan
 
 pytestmark = pytest.mark.cluster
 
@@ -110,9 +111,9 @@ def _captured_handles(graph, model) -> dict:
 
 def test_plan_predicts_the_placement(built):
     _, model = built
-    from app import parameter_server
+    from app.distribute.ps import variables as ps_variables
 
-    placement = parameter_server.placement(model.variables + model.optimizer.variables(), 2)
+    placement = ps_variables.placement(model.variables + model.optimizer.variables(), 2)
     predicted, _ = plan.predict(config(), num_ps=2)
     # Up to which ps task is first (see above).
     assert sorted(predicted.ps_bytes) == sorted(placement.ps_bytes)
@@ -175,7 +176,7 @@ def _whole_tables(graph_def, shapes: set, skip: tuple[str, ...] = (), top: bool 
 
 def test_evaluation_on_the_workers_reads_rows_not_tables(built, ps_strategy):
     task, model = built
-    from app import ps_evaluation
+    from app.distribute.ps import evaluation as ps_evaluation
 
     coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
     evaluate = ps_evaluation.evaluator(model, coordinator, num_workers=2)

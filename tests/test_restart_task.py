@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from app.cluster import TaskLost
+from app.cluster.tf_config import TaskLost
 from tests import launching
 from tests.test_restart import SMALL, STEPS
 

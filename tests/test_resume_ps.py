@@ -9,7 +9,11 @@ import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import parameter_server, preemption, sync_ps, trainer, workdir
+from app import trainer
+from app.cluster import preemption
+from app.distribute.ps import sync as sync_ps
+from app.distribute.ps import variables as ps_variables
+from app.state import workdir
 from tests.conftest import tiny_task
 from tests.probing import Interrupted, Probe, attach
 
@@ -57,7 +61,7 @@ def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, ps_cluster, tmp_
 def _state(model, training) -> dict:
     """What a sync backup must bring back, read from the chief."""
     optimizer = model.optimizer
-    return {"weights": parameter_server.gather_weights(model),
+    return {"weights": ps_variables.gather_weights(model),
             "slots": [np.asarray(tf.convert_to_tensor(v)) for v in optimizer.variables()],
             "iterations": int(optimizer.iterations.numpy()),
             "version": int(training.version.numpy())}

@@ -21,8 +21,10 @@ import numpy as np
 import pytest
 
 from app import config as cfg
-from app import parameter_server, preemption, trainer
+from app import trainer
+from app.cluster import preemption
 from app.dialects import keras2, keras3
+from app.distribute.ps import variables as ps_variables
 from tests.conftest import tiny_task
 from tests.probing import Interrupted, Probe, attach
 
@@ -45,7 +47,7 @@ def _shard_into(monkeypatch, strategy, count: int) -> None:
     the partitioner `ps.partitioner = "fixed"` gives. ParameterServerStrategy keeps
     its partitioner in `extended._variable_partitioner` (TF 2.21); the public way, a
     new strategy, would connect this process to the cluster again."""
-    chosen = parameter_server.partitioner(cfg.PSConfig(partitioner="fixed", num_shards=count),
+    chosen = ps_variables.partitioner(cfg.PSConfig(partitioner="fixed", num_shards=count),
                                           num_ps=2)
     monkeypatch.setattr(strategy.extended, "_variable_partitioner", chosen)
 
@@ -55,7 +57,7 @@ def _state(model, keras: str) -> dict:
     (a sharded one's shards joined in order), and how many shards the most split has."""
     optimizer = model.optimizer
     if keras == "tf_keras":
-        tables = parameter_server.gather_weights(model)
+        tables = ps_variables.gather_weights(model)
         # tf_keras keeps one ShardedVariable per slot of a sharded variable.
         slots = [np.concatenate([p.numpy() for p in v.variables]) if hasattr(v, "variables")
                  else v.numpy() for v in optimizer.variables()]
@@ -71,7 +73,7 @@ def _state(model, keras: str) -> dict:
                  for parts in joined.values()]
         dialect = keras3
     parts = [part.name for v in dialect.variables(model, optimizer)
-             if parameter_server.is_variable(v) for part in getattr(v, "variables", None) or [v]]
+             if ps_variables.is_variable(v) for part in getattr(v, "variables", None) or [v]]
     shards = 1 + max((int(m[1]) for name in parts if (m := re.search(r"/part_(\d+)", name))),
                      default=0)
     return {"tables": tables, "slots": slots, "shards": shards}

@@ -10,9 +10,10 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from app import cluster as clusters
 from app import config as cfg
-from app import data, runners, strategy, trainer
+from app import data, strategy, trainer
+from app.cluster import tf_config as clusters
+from app.run import runners
 from app.task import Task
 from tests.conftest import one_device_reduction_mirrored
 

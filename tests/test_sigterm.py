@@ -1,5 +1,5 @@
 """Preemption end to end: SIGTERM to a training task saves a backup at the next
-step boundary and exits with 204 (app.preemption.EXIT_CODE); the job launched
+step boundary and exits with 204 (app.cluster.preemption.EXIT_CODE); the job launched
 again goes on from there.
 SIGTERM to the launcher reaches every task."""
 
@@ -9,8 +9,8 @@ import signal
 
 import pytest
 
-from app import workdir
-from app.preemption import EXIT_CODE
+from app.cluster.preemption import EXIT_CODE
+from app.state import workdir
 from tests import launching
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from app import cluster as clusters
 from app import train
+from app.cluster import tf_config as clusters
 from launch import slurm
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -118,10 +118,10 @@ def test_sbatch_gives_the_last_tasks_to_the_data_service(tmp_path):
     workdir = str(ROOT / "runs/slurm-42")
     assert [r["TF_CONFIG"] for r in service] == [None] * 3
     assert [r["command"] for r in service] == [
-        ["-m", "app.data_service", "dispatcher", "--port", "2222", "--work-dir",
+        ["-m", "app.distribute.data_service", "dispatcher", "--port", "2222", "--work-dir",
          f"{workdir}/data_service", "--watch", "n1:2222"],
-        *[["-m", "app.data_service", "worker", "--dispatcher", "n5:2222", "--port", "2222",
-           "--host", host, "--watch", "n1:2222"] for host in ("n6", "n7")]]
+        *[["-m", "app.distribute.data_service", "worker", "--dispatcher", "n5:2222", "--port",
+           "2222", "--host", host, "--watch", "n1:2222"] for host in ("n6", "n7")]]
 
 
 def test_too_few_tasks_for_the_data_service_is_an_error(capsys, monkeypatch):
@@ -189,7 +189,7 @@ def fake_scontrol(tmp_path: pathlib.Path, monkeypatch) -> pathlib.Path:
 
 
 def test_a_preempted_job_requeues_itself(tmp_path, monkeypatch, capsys):
-    from app.preemption import EXIT_CODE
+    from app.cluster.preemption import EXIT_CODE
     from launch.slurm import requeue
 
     calls = fake_scontrol(tmp_path, monkeypatch)

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from app.preemption import EXIT_CODE
+from app.cluster.preemption import EXIT_CODE
 from launch.slurm import local_cluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]

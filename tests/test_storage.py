@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from app import config as cfg
-from app import workdir
+from app.state import workdir
 
 
 @pytest.fixture

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from app import cluster as clusters
 from app import config as cfg
 from app import strategy as strategies
+from app.cluster import tf_config as clusters
 from app.config import ConfigError
 from app.tasks.mnist import Mnist
 from tests.conftest import tiny_split

@@ -7,7 +7,9 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import config as cfg
-from app import runners, sync_ps, tf_internal, trainer
+from app import tf_internal, trainer
+from app.distribute.ps import sync as sync_ps
+from app.run import runners
 from app.tasks.mnist import Mnist
 from tests.conftest import tiny_split, tiny_task
 

@@ -5,9 +5,10 @@ import pytest
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, dialects, strategy, trainer
 from app import config as cfg
-from app import workdir as workdirs
+from app import dialects, strategy, trainer
+from app.run import callbacks
+from app.state import workdir as workdirs
 from tests.conftest import one_device_reduction_mirrored, tiny_task
 
 FIELDS = {"strategy", "num_replicas", "num_workers", "num_ps", "global_batch_size",

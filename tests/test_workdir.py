@@ -4,7 +4,7 @@ import pathlib
 import pytest
 
 from app import config as cfg
-from app import workdir
+from app.state import workdir
 
 
 def test_new_workdir_gets_the_config(tmp_path):
@@ -52,7 +52,7 @@ def test_a_resumed_run_may_run_on_other_hosts_and_says_what_changed(tmp_path, ca
                                           "runtime.inter_op_threads=3"]))
     resumed = cfg.load(None, ["runtime.intra_op_threads=4", "runtime.inter_op_threads=2",
                               "runtime.memory_limit_gib=2", "data.service=host:5050"])
-    with caplog.at_level("INFO", logger="app.workdir"):
+    with caplog.at_level("INFO", logger="app.state.workdir"):
         assert workdir.prepare(tmp_path, resumed) == tmp_path
     assert caplog.messages == [
         "resuming with data.service '' -> 'host:5050', runtime.intra_op_threads 2 -> 4, "
@@ -140,7 +140,7 @@ def test_a_resumed_run_logs_how_its_cluster_changed(tmp_path, caplog):
     interrupted(tmp_path, cfg.Config())
     workdir.resume_shape(tmp_path, MWM, writes=True)
     one = {**MWM, "workers": 1, "replicas": 1}
-    with caplog.at_level("INFO", logger="app.workdir"):
+    with caplog.at_level("INFO", logger="app.state.workdir"):
         workdir.resume_shape(tmp_path, one, writes=False)  # a worker: neither logs nor writes
         workdir.resume_shape(tmp_path, one, writes=True)
         workdir.resume_shape(tmp_path, one, writes=True)  # resumed again, on the same shape
@@ -151,7 +151,7 @@ def test_a_resumed_run_logs_how_its_cluster_changed(tmp_path, caplog):
 def test_a_ps_run_resumed_on_more_ps_tasks_says_its_variables_are_resharded(tmp_path, caplog):
     interrupted(tmp_path, cfg.Config())
     workdir.resume_shape(tmp_path, PS, writes=True)
-    with caplog.at_level("INFO", logger="app.workdir"):
+    with caplog.at_level("INFO", logger="app.state.workdir"):
         workdir.resume_shape(tmp_path, {**PS, "ps": 3}, writes=True)
     assert caplog.messages == ["resuming with 3 ps tasks (was 2): sharded variables and "
                                "their optimizer slots are restored into the new number of "
@@ -183,7 +183,7 @@ def test_synchronous_runs_resume_into_each_other_and_a_new_run_under_any(tmp_pat
     workdir.resume_shape(tmp_path, MWM, writes=True)
     interrupted(tmp_path, cfg.Config())
     one = {"strategy": "DefaultStrategy", "workers": 1, "ps": 0, "replicas": 1}
-    with caplog.at_level("INFO", logger="app.workdir"):
+    with caplog.at_level("INFO", logger="app.state.workdir"):
         workdir.resume_shape(tmp_path, one, writes=True)
     assert caplog.messages == ["resuming under DefaultStrategy (was MultiWorkerMirroredStrategy), "
                                "on 1 worker (was 2), with 1 replica (was 2)"]

@@ -1,6 +1,6 @@
 """Keras 2 (`import tf_keras`): the dialect the project's machinery was first written in.
 
-Its optimizers (`app.optimizers`), backup (`app.callbacks.Backup`) and the
+Its optimizers (`app.dialects.keras2_optimizers`), backup (`app.run.callbacks.Backup`) and the
 ParameterServerStrategy path of Keras' own `fit` are tf_keras' own; this module
 is the face they show the trainer (see `app.dialects`).
 """
@@ -15,9 +15,11 @@ from typing import Any
 import tensorflow as tf
 import tf_keras as keras
 
-from app import callbacks, coordinated, optimizers
 from app import strategy as strategies
-from app.workdir import save_dir
+from app.dialects import keras2_optimizers as optimizers
+from app.distribute.ps import coordinated
+from app.run import callbacks
+from app.state.workdir import save_dir
 
 NAME = "tf_keras"
 LABEL = "Keras 2 (tf_keras)"
@@ -110,7 +112,7 @@ ATOMIC_METRICS = True
 
 # tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among its
 # callbacks, for a task that gives only a training pipeline. A task whose examples
-# are read by index trains in the project's own loop (app.coordinated), which passes
+# are read by index trains in the project's own loop (app.distribute.ps.coordinated), which passes
 # each step its number, with that loop's backup.
 LOOP_BACKUP = False
 

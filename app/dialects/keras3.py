@@ -22,11 +22,13 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import trainer as _tf_trainer
 
-from app import coordinated, preemption, tf_internal
 from app import strategy as strategies
+from app import tf_internal
+from app.cluster import preemption
 from app.config import ConfigError
 from app.dialects import keras3_ps
-from app.workdir import save_dir
+from app.distribute.ps import coordinated
+from app.state.workdir import save_dir
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +185,7 @@ def _blank(spec: tf.TensorSpec) -> tf.Tensor:
 # evaluated twice by two workers at once, gave test AUCs of 0.8013 and 0.8045).
 ATOMIC_METRICS = False
 
-# Under a ClusterCoordinator the loop is the project's own (app.coordinated), and so
+# Under a ClusterCoordinator the loop is the project's own (app.distribute.ps.coordinated), and so
 # is its backup (coordinated.LoopBackup): the trainer adds no `backup` callback there.
 LOOP_BACKUP = True
 

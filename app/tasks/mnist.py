@@ -18,10 +18,10 @@ from collections.abc import Callable
 import numpy as np
 import tensorflow as tf
 
-from app import data, dialects, idx, indexed
+from app import data, dialects, indexed
 from app.config import ConfigError, field
 from app.task import Task
-from app.tasks import ctr_data
+from app.tasks import ctr_data, idx
 
 BUNDLED = pathlib.Path(__file__).resolve().parents[2] / "data" / "mnist"
 SHAPE, CLASSES = (28, 28, 1), 10
@@ -57,7 +57,7 @@ class Params:
     # Rounds of a 5x5 convolution over every training image in the input
     # pipeline, its result discarded: a stand-in for CPU-heavy preprocessing
     # (decoding, augmentation) whose cost is this knob. 0 = none. The
-    # input-bound benchmark (app/bench_input.py) sets it.
+    # input-bound benchmark (tools/bench_input.py) sets it.
     preprocess_rounds: int = field(0, minimum=0)
     # The Keras the model is written in: "tf_keras" (Keras 2) or "keras" (Keras 3).
     keras: str = field("tf_keras", choices=dialects.NAMES)

@@ -12,7 +12,7 @@ log-loss of the test set (from the teacher's click probabilities) beside the
 model's, and the gap. When the tables live on parameter servers it also
 reports, per ps task, the bytes a training step moves: predicted from the Zipf
 laws (the expected number of distinct ids per table in a batch, as
-`python -m app.plan` predicts it) and counted on sampled training batches.
+`python -m tools.plan` predicts it) and counted on sampled training batches.
 
     python -m app.train --config configs/recommender.toml
     python -m app.train --config configs/recommender.toml --set task.train_offset=5000000
@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import dialects, indexed, optimizers
+from app import dialects, indexed
 from app.config import ConfigError, field
+from app.dialects import keras2_optimizers as optimizers
 from app.task import Task
 from app.tasks import ctr_data, dlrm, dlrm_keras3
 

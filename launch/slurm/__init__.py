@@ -13,7 +13,7 @@ address order:
   rest workers (parameter-server training);
 - with `--ps 0`: every rank is a worker (synchronous training; rank 0 writes);
 - with `--data-workers N`, the last N + 1 ranks are not TF tasks but the
-  tf.data service (app/data_service.py): its dispatcher, then N tf.data workers.
+  tf.data service (app/distribute/data_service.py): its dispatcher, then N tf.data workers.
 
 TensorFlow's `SlurmClusterResolver` does the same mapping, but it cannot run
 on CPU-only nodes: with no GPU it computes `range(0, 0, 0)` and fails
@@ -104,7 +104,7 @@ def data_service(env: Mapping[str, str], port: int, data_workers: int,
                  workdir: str) -> tuple[str, list[str] | None]:
     """With `data_workers` N: the last N + 1 ranks are the tf.data service, its
     dispatcher and then its N tf.data workers. (The dispatcher's host:port, this
-    task's `app.data_service` arguments or None for a training task.)"""
+    task's `app.distribute.data_service` arguments or None for a training task.)"""
     rank, addresses = addresses_of(env, port)
     if len(addresses) < data_workers + 2:
         raise SlurmError(f"--data-workers {data_workers} needs {data_workers + 1} SLURM tasks "
@@ -167,7 +167,7 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
 
 def _workdir(train_args: list[str]) -> str:
     """The trainers' `--workdir`: the dispatcher journals in `<workdir>/data_service`."""
-    from app import workdir
+    from app.state import workdir
 
     found = workdir.given(train_args)
     if not found:
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if service is not None:
-        command = [sys.executable, "-m", "app.data_service", *service]
+        command = [sys.executable, "-m", "app.distribute.data_service", *service]
     else:
         command = [sys.executable, "-m", "app.train",
                    *thread_settings(os.environ, config, train_args), *train_args]

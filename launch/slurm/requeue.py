@@ -2,7 +2,7 @@
 
 `train.sbatch` runs it with srun's exit status. A training task that got
 SIGTERM (the time limit's `--signal=TERM@N`, a drain) saved its backup and
-exited with `app.preemption.EXIT_CODE`, and srun passes on the highest exit
+exited with `app.cluster.preemption.EXIT_CODE`, and srun passes on the highest exit
 code of its tasks. SLURM requeues a job by itself only when it is
 preempted or `scontrol requeue`d, not when it reaches its time limit: hence
 the job requeues itself, under the same job id, so the same WORKDIR, where
@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 
-from app.preemption import EXIT_CODE
+from app.cluster.preemption import EXIT_CODE
 
 
 def main(argv: list[str] | None = None) -> int:

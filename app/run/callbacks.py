@@ -1,0 +1,392 @@
+"""Keras callbacks of a training run, and the list `fit` gets.
+
+The project's own callbacks speak to both Kerases (`Callback`); the backup and
+TensorBoard callbacks are each dialect's own (`app.dialects`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Callable
+
+import tensorflow as tf
+import tf_keras as keras
+
+from app.cluster import preemption
+from app.config import Config
+from app.state.workdir import BACKUP_DIR, CHECKPOINT_DIR, HISTORY_FILE, write_json
+
+log = logging.getLogger(__name__)
+
+
+class Callback:
+    """A callback both Kerases' CallbackLists take: the hooks of `keras.callbacks.Callback`
+    (Keras 3) and of `tf_keras.callbacks.Callback` (Keras 2), all doing nothing, and
+    `model` and `params` once the list sets them."""
+
+    # tf_keras asks whether to pass its logs as tensors, and which batch hooks to call.
+    _supports_tf_logs = False
+
+    def __init__(self):
+        self.model = None
+        self.params: dict = {}
+
+    def set_model(self, model) -> None:
+        self.model = model
+
+    def set_params(self, params: dict) -> None:
+        self.params = params
+
+    # tf_keras refuses, under ParameterServerStrategy, a callback with batch hooks
+    # unless it takes its logs as tensors (`_supports_tf_logs`): only hooks a class
+    # defines count.
+    def _implements_train_batch_hooks(self) -> bool:
+        return self._defines("on_batch_begin", "on_batch_end", "on_train_batch_begin",
+                             "on_train_batch_end")
+
+    def _implements_test_batch_hooks(self) -> bool:
+        return self._defines("on_test_batch_begin", "on_test_batch_end")
+
+    def _implements_predict_batch_hooks(self) -> bool:
+        return self._defines("on_predict_batch_begin", "on_predict_batch_end")
+
+    def _defines(self, *hooks: str) -> bool:
+        return any(hasattr(type(self), hook) for hook in hooks)
+
+    def __getattr__(self, name: str):
+        # on_train_begin, on_test_batch_end, ...: every hook a class does not define.
+        if name.startswith("on_"):
+            return _nothing
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+def _nothing(*args, **kwargs) -> None:
+    return None
+
+
+_nothing._is_default = True  # Keras 3 runs the batch hooks of such callbacks asynchronously
+
+
+def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
+                 model, throughput: Throughput, evaluations: list[Evaluation],
+                 resumable: bool = True, dialect=None) -> list:
+    """The callbacks of a run, in order: throughput stops its clock first; the
+    evaluations add their results to the epoch's logs before the history record,
+    the backup, TensorBoard and History see them (an epoch's backup is taken
+    after its evaluations and history row: a run killed in between goes on from
+    the backup before, and redoes the row); the step log comes after the
+    backup, so a step it reports is saved when a backup was due there. Only
+    fit() resumes through `Backup` (`resumable`); sync_ps.fit keeps its own."""
+    backup_dir = workdir / BACKUP_DIR
+    every = config.debug.log_every_steps
+    cbs: list = [
+        throughput,
+        *evaluations,
+        HistoryRecord(backup_dir / HISTORY_FILE),
+        # Resumes an interrupted run; emptied when fit() ends.
+        *([dialect.backup(backup_dir, config.checkpoint.every_steps)] if resumable else []),
+        EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
+        dialect.tensorboard(outdir / "tensorboard"),
+        *([StepLog(every)] if every else []),
+    ]
+    return cbs
+
+
+def earlier_history(cbs: list) -> list[dict[str, float]]:
+    """metrics.json's history rows of the epochs an interrupted run finished before
+    this run resumed it (Keras' History holds this run's epochs only)."""
+    return next((cb.earlier for cb in cbs if isinstance(cb, HistoryRecord)), [])
+
+
+def history_row(epoch: int, logs: dict) -> dict[str, float]:
+    """One epoch of metrics.json's history: its number from 1, then its logs."""
+    return {"epoch": epoch + 1, **{k: round(float(logs[k]), 6) for k in sorted(logs)}}
+
+
+class Backup(keras.callbacks.BackupAndRestore):
+    """Keras' BackupAndRestore in <workdir>/backup, saving at each epoch's end, every
+    `every_steps` steps (0: epoch ends only), and at the first step boundary after
+    SIGTERM, after which it raises `preemption.Preempted`.
+
+    A resumed fit() goes on from the saved step, where BackupAndRestore alone
+    would not in two cases:
+
+    - Under ParameterServerStrategy its batch hooks return at once (tf_keras
+      2.21 callbacks.py: "Skip batch update for PSS Strategy"), so an integer
+      save_freq never saves, not even at epoch ends (tried with tf_keras 2.21).
+      Keras gives no reason; there a batch "ends" when it is scheduled, so a
+      backup taken then would claim steps not yet run. Here a save first joins
+      the coordinator: every scheduled step has then run, and the saved step
+      is exact.
+    - With save_freq="epoch", Keras resumes at the epoch after the saved one
+      (worker_training_state.maybe_load_initial_counters_from_ckpt): a SIGTERM
+      backup from mid-epoch would skip the epoch's rest. With an integer
+      save_freq it resumes at the saved batch + 1, so the parent always gets
+      one; the saving schedule is this class's own.
+    """
+
+    def __init__(self, backup_dir: str, every_steps: int = 0):
+        super().__init__(backup_dir, save_freq=max(every_steps, 1))
+        self.every_steps = every_steps
+        self.sigterm = preemption.Sigterm()
+        self._handler = None
+        self._begin = self._batch = self._since_save = 0
+        self._saved_at: tuple[int, int] | None = None
+
+    def on_train_begin(self, logs=None):
+        super().on_train_begin(logs)  # restores the backup, if there is one
+        self._back_up_random_generators()
+        self.sigterm.install()
+        self._handler = preemption.mwms_handler(
+            self.model.distribute_strategy, self._training_state.read_checkpoint_manager,
+            save=lambda: self._save(self._batch), sigterm=self.sigterm, stop=self._stop)
+
+    def _back_up_random_generators(self) -> None:
+        """Make the backup hold the state of each random layer's `tf.random.Generator`
+        (layers built under `train.deterministic`), and restore it from the backup.
+
+        tf_keras 2.21 keeps the generators out of a model's checkpoint ("for backward
+        compatibility", base_layer.BaseRandomLayer): from the model's checkpoint alone a
+        resumed run's dropout starts from the generators' initial state. Added to that
+        checkpoint after it was restored, they are restored as they are added (a
+        tf.train.Checkpoint's deferred restoration: values it read for objects it did
+        not have yet go to them when they are attached)."""
+        generators = random_generators(self.model)
+        if generators:
+            checkpoint = self._training_state.read_checkpoint_manager.checkpoint
+            checkpoint.random_generators = generators  # the write manager's too
+
+    def on_train_batch_begin(self, batch, logs=None):
+        # The parent records the batch in a variable here, every step (under
+        # ParameterServerStrategy that variable lives on a ps task); this class
+        # records it only when it saves.
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._since_save += batch + 1 - self._begin
+        if batch + 1 >= self.params["steps"]:
+            return  # the epoch's last step: saved at the epoch's end, after its evaluations
+        self._batch = batch
+        self._stop_if_asked()
+        if self.every_steps and self._since_save >= self.every_steps:
+            self._save(batch)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._batch = self.params["steps"] - 1  # resumes at the next epoch's first step
+        self._save(self._batch)
+        self._stop_if_asked()
+
+    def on_train_end(self, logs=None):
+        super().on_train_end(logs)  # deletes the backup
+        if self._handler is not None:
+            preemption.close_mwms_handler(self._handler)
+        self.sigterm.uninstall()
+
+    def _stop_if_asked(self) -> None:
+        if self._handler is not None:  # saves and stops at the step all workers agree on
+            self._handler.save_checkpoint_if_preempted()
+        elif self.sigterm.requested():
+            self._save(self._batch)
+            self._stop()
+
+    def _save(self, batch: int) -> None:
+        if self._saved_at == (self._current_epoch, batch):
+            return
+        coordinator = getattr(self.model, "_cluster_coordinator", None)
+        if coordinator is not None:
+            coordinator.join()  # the steps scheduled so far have run
+        # WorkerTrainingState's record of the saved step (tf_keras 2.21), read on resume.
+        self._training_state._ckpt_saved_batch.assign(batch)
+        self._backup(epoch=self._current_epoch, batch=batch)
+        self._since_save, self._saved_at = 0, (self._current_epoch, batch)
+
+    def _stop(self) -> None:
+        self.sigterm.ignore()
+        log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
+                    self._current_epoch + 1, self._batch + 1)
+        raise preemption.preempted(self.backup_dir)
+
+
+def random_generators(model: keras.Model) -> list[tf.random.Generator]:
+    """The `tf.random.Generator` of each random layer of `model` that draws from one, in
+    the model's order (the same for every build of one model).
+
+    tf_keras 2.21 keeps it at `layer._random_generator._generator` (backend.RandomGenerator;
+    None for TF1's stateful random ops, the default); there is no public way to it. If it
+    moves this finds none, and tests/test_determinism.py's Keras 2 resumes differ."""
+    found = []
+    for layer in [model, *model.submodules]:
+        generator = getattr(getattr(layer, "_random_generator", None), "_generator", None)
+        if isinstance(generator, tf.random.Generator):
+            found.append(generator)
+    return found
+
+
+class HistoryRecord(Callback):
+    """Each epoch's history row, kept in the workdir until training ends, so that
+    a resumed run's metrics.json covers the epochs before it too (`earlier`)."""
+
+    def __init__(self, path: pathlib.Path):
+        super().__init__()
+        self.path = path
+        self.earlier: list[dict[str, float]] = []
+        self._rows: list[dict[str, float]] = []
+        self._first: int | None = None
+
+    def _writes(self) -> bool:
+        # One writer, the task that writes the backup (MultiWorkerMirrored: worker 0).
+        return self.model.distribute_strategy.extended.should_checkpoint
+
+    def on_train_begin(self, logs=None):
+        self._rows = json.loads(self.path.read_text()) if self.path.exists() else []
+        self._first = None
+        # A run resumed from a backup of its last epoch's end trains no epoch: all of them
+        # are earlier (a SIGTERM that reached the chief as that epoch ended).
+        self.earlier = list(self._rows)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._first is None:
+            # Rows of the epochs this run redoes (written before their backup) go.
+            self._first = epoch
+            self.earlier = [row for row in self._rows if row["epoch"] <= epoch]
+            self._rows = list(self.earlier)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._rows.append(history_row(epoch, logs or {}))
+        if self._writes():
+            self.path.parent.mkdir(parents=True, exist_ok=True)  # before the first backup
+            write_json(self.path, self._rows)
+
+    def on_train_end(self, logs=None):
+        if self._writes():
+            self.path.unlink(missing_ok=True)
+
+
+class StepLog(Callback):
+    """Logs `step S` every `every` steps, S counted from the run's first step
+    (a resumed run goes on counting); under a ClusterCoordinator, steps
+    scheduled. The fault tests kill a task at a step read from it."""
+
+    def __init__(self, every: int):
+        super().__init__()
+        self._supports_tf_logs = True  # batch hooks under ParameterServerStrategy
+        self.every = every
+        self._epoch = self._begin = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._begin = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        before = self._epoch * self.params["steps"] + self._begin
+        after = self._epoch * self.params["steps"] + batch + 1
+        if after // self.every > before // self.every:
+            log.info("step %d", after)
+
+
+class Throughput(Callback):
+    """Steady-state training examples per second.
+
+    Counts only the time between consecutive batch ends inside an epoch, so
+    the first `warmup_steps` (tracing, pipeline fill), each epoch's start and
+    the validation after it are left out.
+
+    Under a ClusterCoordinator, a batch "ends" when it is scheduled, not run.
+    There the clock starts once the first `warmup_steps` have *run* (the
+    coordinator is joined once, at that step) and stops at the epoch's end,
+    when fit() has joined it again, before any evaluation.
+    """
+
+    def __init__(self, global_batch_size: int, warmup_steps: int = 20, coordinator=None):
+        super().__init__()
+        self.coordinator = coordinator
+        # Allows batch hooks under ParameterServerStrategy; `logs` are never read.
+        self._supports_tf_logs = True
+        self.global_batch_size = global_batch_size
+        self.warmup_steps = warmup_steps
+        self.seconds = 0.0
+        self.steps = 0
+        self._seen = 0
+        self._last: float | None = None
+        self._done_in_epoch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._last, self._done_in_epoch = None, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.coordinator is not None:
+            self._scheduled(batch + 1, self.coordinator)
+            return
+        now = time.perf_counter()
+        done = batch + 1  # Keras passes the index of the last step run.
+        new_steps = done - self._done_in_epoch
+        if self._last is not None and self._seen >= self.warmup_steps:
+            self.seconds += now - self._last
+            self.steps += new_steps
+        self._seen += new_steps
+        self._last, self._done_in_epoch = now, done
+
+    def _scheduled(self, done: int, coordinator) -> None:
+        first_call = self._done_in_epoch == 0
+        if self._last is None and (first_call and self._seen >= self.warmup_steps
+                                   or self._seen + done >= self.warmup_steps):
+            if first_call:  # nothing ran yet this epoch: count this call's steps too
+                self._last, self._start_step = time.perf_counter(), 0
+            else:
+                coordinator.join()
+                self._last, self._start_step = time.perf_counter(), done
+        self._done_in_epoch = done
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.coordinator is None:
+            return
+        if self._last is not None:
+            self.seconds += time.perf_counter() - self._last
+            self.steps += self._done_in_epoch - self._start_step
+        self._seen += self._done_in_epoch
+
+    def examples_per_sec(self) -> float:
+        if not self.seconds:
+            return 0.0  # Too few steps past the warm-up to measure.
+        return round(self.steps * self.global_batch_size / self.seconds, 1)
+
+
+class Evaluation(Callback):
+    """Evaluates a dataset after each epoch and adds `<prefix>*` to the epoch's logs."""
+
+    def __init__(self, dataset: tf.data.Dataset,
+                 evaluate: Callable[[tf.data.Dataset], dict[str, float]], prefix: str,
+                 metric: str = "loss"):
+        super().__init__()
+        self.dataset, self.evaluate, self.prefix = dataset, evaluate, prefix
+        self.metric = metric  # the task's headline, logged first
+
+    def on_epoch_end(self, epoch, logs=None):
+        results = self.evaluate(self.dataset)
+        if logs is not None:
+            logs.update({f"{self.prefix}{name}": value for name, value in results.items()})
+        names = dict.fromkeys([self.metric, "loss", *results])
+        log.info("epoch %d: %s", epoch + 1, ", ".join(
+            f"{self.prefix}{name} {results[name]:.4f}" for name in names if name in results))
+
+
+class EpochCheckpoint(Callback):
+    """`tf.train.CheckpointManager` checkpoints of the model after each epoch.
+
+    Written as `tf.train.Checkpoint(model=...)`, the layout SidecarEvaluator
+    reads; the manager keeps the newest `keep`.
+    """
+
+    def __init__(self, model, directory: pathlib.Path, keep: int):
+        super().__init__()
+        self.manager = tf.train.CheckpointManager(
+            tf.train.Checkpoint(model=model), str(directory), max_to_keep=keep)
+
+    def on_epoch_end(self, epoch, logs=None):
+        path = self.manager.save(checkpoint_number=epoch + 1)
+        log.debug("checkpoint %s", path)

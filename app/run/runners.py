@@ -1,0 +1,526 @@
+"""One runner per strategy kind: everything that differs between ways of distributing.
+
+The trainer calls the same few methods whichever runner it has (torchtitan's
+`TrainSpec`, Lightning Fabric's `Strategy`):
+
+- `SingleHost`: the default strategy or MirroredStrategy on one host;
+- `MultiWorker`: MultiWorkerMirroredStrategy, every worker runs the loop;
+- `AsyncPS`: ParameterServerStrategy with Keras fit through a ClusterCoordinator;
+- `SyncPS`: ParameterServerStrategy with the synchronous loop of app/distribute/ps/sync.py.
+
+Each owns its config checks, the batch its input pipelines build, who writes
+outputs, exact evaluation, the fit loop, what is exported and its extra metrics.
+`create` is the one place that asks which strategy there is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+import tf_keras as keras
+
+from app import dialects, indexed
+from app import strategy as strategies
+from app.cluster import markers
+from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
+from app.config import Config, ConfigError
+from app.distribute.ps import evaluation as ps_evaluation
+from app.distribute.ps import sync as sync_ps
+from app.distribute.ps import variables as ps_variables
+from app.run import callbacks as project_callbacks
+from app.state.workdir import BACKUP_DIR
+from app.task import Task
+
+log = logging.getLogger(__name__)
+
+Evaluate = Callable[[tf.data.Dataset], dict[str, float]]
+DatasetFn = Callable[[tf.distribute.InputContext], tf.data.Dataset]
+
+
+class SingleHost:
+    """The default strategy or MirroredStrategy: one process trains and writes."""
+
+    resumable = True  # fit() resumes from BackupAndRestore's state
+
+    def __init__(self, strategy: tf.distribute.Strategy, config: Config):
+        self.strategy, self.config = strategy, config
+        self.name = strategies.describe(strategy)
+        self.all_reduces = self.name == "MirroredStrategy"
+        self.coordinator = None
+        self.dialect = None  # the task's Keras (app.dialects), once `build` has seen its model
+        # (source, order) when the task's examples are read by index (`read_by_index`).
+        self.reading: tuple[indexed.Source, indexed.Order] | None = None
+        self._first_step: tf.Variable | None = None
+
+    # -- checks and sizes -------------------------------------------------------------
+
+    def check(self) -> None:
+        """Refuse settings this kind of run cannot honour, before anything is written."""
+        self._refuse(self.config.ps.mode != "async", "ps.mode = sync is "
+                     "parameter-server training and this run has no ps tasks ({name}); give "
+                     "TF_CONFIG chief, worker and ps jobs, or use ps.mode = async")
+        self._refuse(self.config.debug.slow_worker >= 0,
+                     f"debug.slow_worker = {self.config.debug.slow_worker} slows a worker of a "
+                     "parameter-server cluster, and this run has none ({name}); set it to -1")
+        self._refuse(self.config.ps.compression != "none",
+                     f"ps.compression = {self.config.ps.compression} compresses the gradients "
+                     "workers push to ps tasks, and this run has none ({name}); set it to none")
+        self._check_all_reduce_and_batch()
+
+    def _check_all_reduce_and_batch(self) -> None:
+        """What every kind checks: all-reduce compression needs an all-reduce, and the
+        global batch must split over the replicas."""
+        self._refuse(self.config.sync.compression != "none" and not self.all_reduces,
+                     f"sync.compression = {self.config.sync.compression} compresses the "
+                     "all-reduce of MultiWorkerMirrored and Mirrored runs, and this run has "
+                     "none ({name}); set it to none")
+        strategies.check_batch(self.config.train.global_batch_size, self.num_replicas)
+
+    def _refuse(self, refused: bool, message: str) -> None:
+        if refused:
+            raise ConfigError(message.format(name=self.name))
+
+    @property
+    def num_replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync
+
+    @property
+    def num_workers(self) -> int:
+        return 1
+
+    @property
+    def num_ps(self) -> int:
+        return 0
+
+    @property
+    def shape(self) -> dict[str, Any]:
+        """The cluster this run trains on, as recorded beside its backup (workdir.SHAPE_FILE)."""
+        return {"strategy": self.name, "workers": self.num_workers, "ps": self.num_ps,
+                "replicas": self.num_replicas}
+
+    @property
+    def input_batch(self) -> int:
+        """The global batch the input pipelines split (`get_per_replica_batch_size`)."""
+        return self.config.train.global_batch_size
+
+    @property
+    def writes(self) -> bool:
+        """Whether this process writes the run's results where the user looks."""
+        return True
+
+    def outdir(self, workdir: pathlib.Path) -> pathlib.Path:
+        return workdir if self.writes else pathlib.Path(tempfile.mkdtemp(prefix="outputs-"))
+
+    @contextlib.contextmanager
+    def guard(self, workdir: pathlib.Path) -> Iterator[None]:
+        """Turn the failures of this kind of run into the errors users act on."""
+        yield
+
+    # -- the run -----------------------------------------------------------------------
+
+    def build(self, task: Task, make_optimizer: Callable[[Any], Any]) -> keras.Model:
+        """The task's model, its variables created under the strategy, compiled with
+        `make_optimizer(dialect)`, in the Keras the model is written in."""
+        with self.strategy.scope():
+            model = task.build_model()
+            self.dialect = dialects.of(model, task)
+            self.dialect.check_runner(type(self).__name__, self.config, task)
+            model = self.wrap(model)
+            optimizer = make_optimizer(self.dialect)
+            dialects.check_optimizer(optimizer, self.dialect, task)
+            self.dialect.compile(model, optimizer, task, self.config)
+            self.build_optimizer(model, task)  # slots now, for placement
+        return model
+
+    def build_optimizer(self, model, task: Task) -> None:
+        self.dialect.build_optimizer(model, self.train_fn(task), self.slot_device())
+
+    # Whether this kind of run can read a task's examples by index (app.indexed), and
+    # whether a step it runs again (after a worker died) may have been applied already.
+    reads_by_index = True
+    reruns_applied_steps = False
+
+    def read_by_index(self, source: indexed.Source, order: indexed.Order) -> None:
+        """Train on `source`'s examples in `order`, from the step the backup restores."""
+        self.reading = (source, order)
+        # Read by the input pipelines when they start, once fit() restored the backup
+        # (`_FirstStep`); on the CPU, beside them, outside the strategy's scope.
+        with tf.device("/cpu:0"):
+            self._first_step = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    def train_fn(self, task: Task) -> DatasetFn:
+        """The task's training input at the batch this kind of run splits."""
+        if self.reading:
+            source, order = self.reading
+            return functools.partial(indexed.dataset, source, order,
+                                     first_step=self._first_step.read_value)
+        return functools.partial(task.train_dataset, global_batch_size=self.input_batch)
+
+    def slot_device(self) -> contextlib.AbstractContextManager:
+        """Where the optimizer's slots get their initial values."""
+        return contextlib.nullcontext()
+
+    def wrap(self, model: keras.Model) -> keras.Model:
+        return model
+
+    def report(self) -> list[str]:
+        """Lines for the log once the model is built (where its variables live)."""
+        return []
+
+    def evaluator(self, model: keras.Model, task: Task) -> Evaluate:
+        """evaluate(dataset) -> {"loss": ..., metric: ...}, every example exactly once."""
+        return lambda dataset: self.dialect.evaluate(model, dataset)
+
+    def fit(self, model: keras.Model, dataset_fn: DatasetFn,
+            callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
+            workdir: pathlib.Path) -> keras.callbacks.History:
+        """Train; `callbacks` hold the backup fit() resumes from (in `workdir`)."""
+        if self.reading:  # after the backup's callback, which restores the step
+            callbacks = [*callbacks, _FirstStep(self._first_step, self.dialect)]
+        return self.dialect.fit(model, dataset_fn, self.strategy, callbacks,
+                                self.config.train.epochs, steps_per_epoch,
+                                _verbose(self.config.train.verbose))
+
+    def serving(self, model: keras.Model) -> keras.Model:
+        """The trained model to export."""
+        return model
+
+    def metrics(self, model: keras.Model) -> dict[str, Any]:
+        """What metrics.json records about this kind of run beyond the common fields."""
+        return {}
+
+    def finish(self, outdir: pathlib.Path, workdir: pathlib.Path) -> None:
+        if outdir != workdir:
+            shutil.rmtree(outdir, ignore_errors=True)
+
+
+class _FirstStep(project_callbacks.Callback):
+    """Sets where by-index input pipelines start: the optimizer's step once the backup
+    is restored (0 in a fresh run). Keras makes its iterator after on_train_begin."""
+
+    def __init__(self, first_step: tf.Variable, dialect):
+        super().__init__()
+        self.first_step, self.dialect = first_step, dialect
+
+    def on_train_begin(self, logs=None):
+        step = self.dialect.tf_variable(self.model.optimizer.iterations)
+        self.first_step.assign(tf.cast(step.read_value(), tf.int64))
+
+
+def _stopped(workdir: pathlib.Path) -> str:
+    """What a lost task's error tells the user to do."""
+    return (f"training stopped (exit code {TaskLost.exit_code}). Restart it with the lost task "
+            "(launch.local --max-restarts, or the cluster's restart policy; both retry "
+            f"{TaskLost.exit_code}): it resumes from {workdir / BACKUP_DIR}")
+
+
+class MultiWorker(SingleHost):
+    """MultiWorkerMirroredStrategy: every worker runs the same loop and takes part in
+    every collective, saving included; only the chief writes where the user looks."""
+
+    def __init__(self, strategy, config, cluster=None):
+        super().__init__(strategy, config)
+        self.cluster, self.all_reduces = cluster, True
+
+    @property
+    def num_workers(self) -> int:
+        if self.cluster is None:
+            return 1
+        return len(self.cluster.jobs.get("chief", ())) + self.cluster.num_workers  # a chief trains
+
+    @property
+    def writes(self) -> bool:
+        return self.cluster is None or self.cluster.is_chief
+
+    @contextlib.contextmanager
+    def guard(self, workdir):
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            if self.cluster is None:
+                raise
+            # A peer that stops answering mid-collective (dead, or cut off) fails every
+            # worker's step: synchronous training cannot go on without it.
+            raise TaskLost(f"{lost_peers(e.message, self.cluster)} became unreachable during "
+                           f"an all-reduce; {_stopped(workdir)}") from None
+
+    def metrics(self, model):
+        # The same on every worker, if synchronous training kept its promise.
+        digest = weights_digest(model)
+        log.info("weights sha256 %s", digest)
+        return {"weights_sha256": digest}
+
+
+# tf_keras 2.21 refuses the policy under ParameterServerStrategy: float16 needs loss
+# scaling, which its LossScaleOptimizer cannot do there (policy.py, base_layer.py).
+MIXED_FLOAT16 = ("the mixed_float16 policy (train.precision, or a layer's dtype) needs loss "
+                 "scaling, which Keras does not support under {name}; use train.precision = "
+                 "mixed_bfloat16 (no loss scaling) or float32, or a Mirrored or "
+                 "MultiWorkerMirrored strategy")
+
+
+class AsyncPS(SingleHost):
+    """ParameterServerStrategy: the chief runs Keras fit, whose steps a
+    ClusterCoordinator schedules on the workers; variables live on the ps tasks."""
+
+    # The coordinator runs a dead worker's step again, whose update may have landed.
+    reruns_applied_steps = True
+
+    def __init__(self, strategy, config, cluster):
+        super().__init__(strategy, config)
+        if cluster is None:
+            raise ValueError("a parameter-server run needs its cluster "
+                             "(app.cluster.tf_config.Cluster)")
+        self.cluster = cluster
+        self.coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        self._workers, self._ps = cluster.num_workers, cluster.num_ps
+        self.straggler = self._straggler()
+        self.placement: ps_variables.Placement | None = None
+        self.steps = None  # what the dialect's build_coordinated readied
+
+    def check(self) -> None:
+        # ps.* and debug.slow_worker are this kind's own settings: only the shared checks.
+        self._refuse(self.config.train.precision == "mixed_float16", MIXED_FLOAT16)
+        self._refuse(self.config.train.deterministic,
+                     "train.deterministic = true repeats a synchronous run bit for bit across "
+                     "a resume; under {name} the workers' updates reach the ps tasks in "
+                     "whatever order they finish, so no run repeats. Set it to false, or train "
+                     "with MultiWorkerMirrored (no ps tasks)")
+        self._check_all_reduce_and_batch()
+
+    def _straggler(self) -> sync_ps.Straggler | None:
+        index = self.config.debug.slow_worker
+        if index < 0:
+            return None
+        if index >= self._workers:
+            raise ConfigError(f"debug.slow_worker = {index} is not a worker of this cluster "
+                              f"(0 to {self._workers - 1})")
+        return sync_ps.Straggler(index, self.config.debug.slow_factor)
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers
+
+    @property
+    def num_ps(self) -> int:
+        return self._ps
+
+    @contextlib.contextmanager
+    def guard(self, workdir):
+        try:
+            yield
+        except tf.errors.UnavailableError as e:
+            # The coordinator stops at the first unreachable ps (its variables are
+            # gone); carrying on is impossible, waiting is pointless.
+            raise TaskLost(f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} "
+                           f"became unreachable; {_stopped(workdir)}") from None
+
+    def build(self, task, make_optimizer):
+        try:
+            model = super().build(task, make_optimizer)
+        except ValueError as e:  # a layer of the task's own with a mixed_float16 policy
+            if "Mixed precision is not supported" not in str(e):
+                raise
+            raise ConfigError(MIXED_FLOAT16.format(name=self.name)) from None
+        self.placement = ps_variables.placement(
+            self.dialect.variables(model, model.optimizer), self._ps)
+        return model
+
+    def build_optimizer(self, model, task):
+        self.steps = self.dialect.build_coordinated(model, task, self.train_fn(task),
+                                                    self.slot_device())
+
+    @property
+    def resumable(self) -> bool:
+        # By index, both Kerases train in the project's loop, with its own backup.
+        return not (self.dialect.LOOP_BACKUP or self.reading)
+
+    def slot_device(self):
+        # Keras' optimizers compute each slot's initial value eagerly, as a tensor
+        # of the variable's shape, before creating the slot beside its variable
+        # (Adagrad's accumulators, Adam's zeros): on the chief, one table shard
+        # at a time (256 MiB more chief memory with the recommender's tables 8x).
+        # Made on a ps task, the value goes from there to its slot's task.
+        return tf.device("/job:ps/replica:0/task:0/device:CPU:0")
+
+    def report(self):
+        return self.placement.report()
+
+    def wrap(self, model):
+        return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
+
+    def evaluator(self, model, task):
+        return ps_evaluation.evaluator(model, self.coordinator, self._workers,
+                                       parallel=self.dialect.ATOMIC_METRICS)
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        if self.straggler:
+            sync_ps.check_pairs(dataset_fn)
+        dataset_fn = per_worker(dataset_fn, self._workers)
+        if self.straggler:  # its train step needs to know which worker reads the batch
+            dataset_fn = sync_ps.with_worker_id(dataset_fn)
+        return self.dialect.fit_coordinated(
+            model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
+            steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
+            self.config.checkpoint.every_steps, reading=self.reading,
+            with_worker=self.straggler is not None, workers=self._workers)
+
+    def serving(self, model):
+        # The trained model itself: saved under the strategy, each ShardedVariable is
+        # written shard by shard by the ps task that holds it (TF's MultiDeviceSaver
+        # places each save op with its variable), and the SavedModel's serving graph
+        # reads one whole variable per table (ShardedVariable's saving variable),
+        # restored from those slices when TensorFlow Serving loads it. The chief
+        # traces the functions and never holds a table.
+        return model
+
+    def finish(self, outdir, workdir):
+        super().finish(outdir, workdir)
+        # Last, after metrics.json: the ps and worker tasks stop only once told, as a
+        # chief that merely went away is waited for (app.distribute.ps.server.serve).
+        markers.tell_finished(self.cluster)
+
+    def metrics(self, model):
+        figures = {"ps_bytes": self.placement.ps_bytes, "ps_balance": self.placement.balance,
+                   "ps_partitioner": self.config.ps.partitioner, "mode": self.config.ps.mode,
+                   "backup_workers": 0}
+        if self.straggler:
+            figures["slow_worker"] = self.straggler.worker
+            figures["slow_factor"] = self.straggler.factor
+        return figures
+
+
+class SyncPS(AsyncPS):
+    """ParameterServerStrategy in `ps.mode = sync`: each update averages the first
+    `workers - backup_workers` gradients (app/distribute/ps/sync.py); a global batch is the
+    examples of one update, split over those workers."""
+
+    resumable = False  # its own loop and backup (sync_ps.SyncBackup), not BackupAndRestore's
+    # Each update takes the first gradients of any `required` workers; a contribution
+    # is not tied to a part of a global batch yet, so sync reads the task's pipeline.
+    reads_by_index = False
+
+    def __init__(self, strategy, config, cluster):
+        super().__init__(strategy, config, cluster)
+        self.figures: dict[str, Any] = {}
+        self._task_loss: keras.losses.Loss | None = None
+
+    def check(self) -> None:
+        backup = self.config.ps.backup_workers
+        if backup >= self._workers:
+            raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
+                              f"workers ({self._workers}): each update needs at least one "
+                              "gradient")
+        self._refuse(self.config.ps.compression != "none",
+                     f"ps.compression = {self.config.ps.compression} applies to ps.mode = "
+                     f"async; ps.mode = {self.config.ps.mode} sends its gradients through "
+                     "accumulators in float32. Set one of them back")
+        super().check()
+        strategies.check_batch(self.config.train.global_batch_size, self.required,
+                               "the workers each update waits for (workers - "
+                               "ps.backup_workers)")
+
+    @property
+    def required(self) -> int:
+        return self._workers - self.config.ps.backup_workers
+
+    @property
+    def input_batch(self) -> int:
+        # Each worker's batch is 1/required of an update's examples; the input
+        # pipeline splits its global batch over one replica.
+        return self.config.train.global_batch_size // self.required
+
+    def wrap(self, model):
+        return model  # the straggler sleeps in sync_ps's own step
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        sync_ps.check_pairs(dataset_fn)
+        training = sync_ps.SyncTraining(
+            self.coordinator, model, self._task_loss, num_workers=self._workers,
+            backup_workers=self.config.ps.backup_workers, straggler=self.straggler)
+        history, self.figures = sync_ps.fit(
+            training, per_worker(dataset_fn, self._workers), epochs=self.config.train.epochs,
+            steps_per_epoch=steps_per_epoch, callbacks=callbacks,
+            verbose=_verbose(self.config.train.verbose),
+            backup=sync_ps.SyncBackup(training, workdir / BACKUP_DIR,
+                                      self.config.checkpoint.every_steps))
+        return history
+
+    def build(self, task, make_optimizer):
+        model = super().build(task, make_optimizer)  # refuses a Keras 3 model
+        loss = task.loss()
+        # sync_ps's own step computes one loss of (features, labels): what Keras'
+        # compile would add for several outputs or a model's own train_step is not there.
+        self._refuse(isinstance(loss, dict | list | tuple),
+                     f"ps.mode = sync trains one loss, and task {type(task).__name__} gives one "
+                     "per output (a model of several outputs); use ps.mode = async or "
+                     "MultiWorkerMirrored")
+        self._task_loss = keras.losses.get(loss)
+        self._refuse(not isinstance(self._task_loss, keras.losses.Loss),
+                     f"ps.mode = sync needs the task's loss as a keras.losses.Loss, and task "
+                     f"{type(task).__name__} gives a {type(loss).__name__}; wrap it in "
+                     "keras.losses.LossFunctionWrapper or use ps.mode = async")
+        # Per-example losses: sync_ps averages them itself (Keras refuses a batch
+        # mean inside a function the coordinator schedules).
+        self._task_loss.reduction = keras.losses.Reduction.NONE
+        for step in ("train_step", "compute_loss"):
+            # sync_ps computes the task's loss itself: a model's own compute_loss would
+            # not run either, and the model would train silently on another loss.
+            self._refuse(getattr(type(model), step) is not getattr(keras.Model, step),
+                         "ps.mode = sync runs its own training step (app/distribute/ps/sync.py), "
+                         f"so the {step} of {type(model).__name__} would not run; use ps.mode = "
+                         "async or MultiWorkerMirrored")
+        return model
+
+    def metrics(self, model):
+        return {**super().metrics(model), "backup_workers": self.config.ps.backup_workers,
+                **self.figures}
+
+
+def create(config: Config, cluster=None, strategy: tf.distribute.Strategy | None = None
+           ) -> SingleHost:
+    """The runner for `strategy`, or for the strategy the config and cluster imply."""
+    strategy = strategy or strategies.create(config.runtime.strategy, cluster, config)
+    kind = strategies.describe(strategy)
+    if kind == "ParameterServerStrategy":
+        return (SyncPS if config.ps.mode == "sync" else AsyncPS)(strategy, config, cluster)
+    if kind == "MultiWorkerMirroredStrategy":
+        return MultiWorker(strategy, config, cluster)
+    return SingleHost(strategy, config)
+
+
+def per_worker(dataset_fn: DatasetFn, num_workers: int) -> DatasetFn:
+    """`dataset_fn` with an InputContext of one pipeline per worker.
+
+    Under ParameterServerStrategy the InputContext is always one pipeline, id 0,
+    and every worker would read the same data. The public way to know which
+    worker a dataset_fn runs on is `experimental_get_current_worker_index()`, a
+    value captured when the function runs on that worker.
+    """
+    def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        index = tf.distribute.coordinator.experimental_get_current_worker_index()
+        return dataset_fn(tf.distribute.InputContext(
+            num_input_pipelines=num_workers, input_pipeline_id=index,
+            num_replicas_in_sync=context.num_replicas_in_sync))
+    return fn
+
+
+def weights_digest(model: keras.Model) -> str:
+    digest = hashlib.sha256()
+    for array in model.get_weights():
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def _verbose(setting: str) -> str | int:
+    return setting if setting == "auto" else int(setting)

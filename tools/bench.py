@@ -1,0 +1,422 @@
+"""`python -m tools.bench`: training throughput of each strategy, side by side.
+
+Each row is a real `python -m app.train` run in its own process (logical
+devices and thread pools are fixed when TensorFlow starts), or for the
+multi-task rows a real cluster of processes from `launch.local`, on the same
+model, synthetic data and global batch. Rows are interleaved over the
+repeats, so a machine that slows down mid-benchmark slows every row alike.
+Each row reports its median steady-state examples/s, its ratio to the
+baseline row measured in the same invocation, the peak resident memory of
+all its processes together, and for parameter-server rows the bytes each ps
+task holds and their balance (largest / mean).
+
+Every row starts from the plain settings (TensorFlow's own CPU kernels and
+CPU allocator, float32, no XLA, one step per execution), so that a speed
+switch shows up only in the row that turns it on. The `*defaults` rows run
+at the project's defaults instead, what a user gets, and their ratio is to
+the single process at those defaults (the `defaults` row).
+
+    python -m tools.bench --steps 300 --workdir runs/bench   # or: make bench
+
+With `--link RATE` the multi-task rows run over shaped links (`launch.local
+--link`), and each one's step time is set beside the least one tools.plan says
+those links allow (a ps row's busiest link or read-then-push chain, a
+MultiWorkerMirrored row's all-reduce); `--links A,B,C` runs them at each rate
+and draws throughput against bandwidth, the single process as the ceiling:
+
+    python -m tools.bench --links 100mbit,1gbit,10gbit --rows baseline,ps_2w2p,mwms_2w
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from app import config as cfg
+from launch import network  # the link syntax of launch.local --link
+from tools import bench_report, procstat
+
+_TRAIN = ("-m", "app.train")
+_LOCAL = ("-m", "launch.local")  # one process per task, see launch/local.py
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    what: str
+    args: tuple[str, ...]
+    base: str = "baseline"  # the row its ratio is to, measured in the same invocation
+
+
+def _ps(workers: int, ps: int, *sets: str) -> tuple[str, ...]:
+    return (*_LOCAL, "--workers", str(workers), "--ps", str(ps), *_sets(*sets))
+
+
+def _sets(*items: str) -> tuple[str, ...]:
+    return tuple(arg for item in items for arg in ("--set", item))
+
+
+_BASELINE = (*_TRAIN, "--strategy", "default")
+
+
+def _switch(setting: str, note: str = "") -> Row:
+    """The baseline with one speed switch turned on."""
+    return Row(f"baseline + {setting}{note}", (*_BASELINE, *_sets(setting)))
+
+
+# The straggler rows: 3 workers, worker 2 three times as slow, on real MNIST so
+# that their test accuracy means something. Their global batch (96) divides over
+# the 3 or 2 workers a sync update waits for; each row sees the same examples.
+_STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_size=96",
+              "task.source=mnist", "task.validation_examples=0", "task.test_examples=0")
+
+# The settings every row starts from; rows and --set may change them.
+PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
+         "train.jit_compile=false", "train.steps_per_execution=1")
+
+
+def _project_defaults() -> tuple[str, ...]:
+    """PLAIN's settings at the project's default values, written as TOML values."""
+    config = cfg.load(None)
+    out = []
+    for key in (item.split("=")[0] for item in PLAIN):
+        section, name = key.split(".")
+        out.append(f"{key}={json.dumps(getattr(getattr(config, section), name))}")
+    return tuple(out)
+
+
+DEFAULTS = _project_defaults()
+
+
+def _at_defaults(what: str, args: tuple[str, ...]) -> Row:
+    return Row(f"{what}, at the project's defaults", (*args, *_sets(*DEFAULTS)), base="defaults")
+
+
+ROWS: dict[str, Row] = {
+    "baseline": Row("plain Keras fit, one process, default strategy", _BASELINE),
+    "defaults": _at_defaults("one process, default strategy", _BASELINE),
+    "mwms_2w_defaults": _at_defaults("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "ps_2w2p_defaults": _at_defaults("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "onednn": _switch("runtime.onednn=true", " (the project's default)"),
+    "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
+    "spe8": _switch("train.steps_per_execution=8"),
+    "xla": _switch("train.jit_compile=true"),
+    "bf16": _switch("train.precision=mixed_bfloat16"),
+    "mirrored_1dev": Row("MirroredStrategy on one device", (*_TRAIN, "--strategy", "mirrored")),
+    # The device list is filled in at run time: two logical CPUs, or GPUs (see _devices).
+    "mirrored_2dev": Row("MirroredStrategy on two devices", (*_TRAIN, "--strategy", "mirrored")),
+    "mwms_2w": Row("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "mwms_2w_fp16": Row("the same, gradients all-reduced as float16 (sync.compression=fp16)",
+                        _ps(2, 0, "sync.compression=fp16")),
+    "mwms_2w_onepack": Row("the same, one all-reduce after the backward pass (TF's default)",
+                           _ps(2, 0, "sync.bytes_per_pack=0")),
+    "ps_2w1p": Row("ParameterServer: chief + 2 workers + 1 ps", _ps(2, 1)),
+    "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
+                      _ps(2, 2, "ps.partitioner=none")),
+    "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
+                        _ps(2, 2, "ps.compression=fp16")),
+    "ps_2w2p_rr_fp16": Row("ps_2w2p_rr with gradients pushed as float16",
+                           _ps(2, 2, "ps.partitioner=none", "ps.compression=fp16")),
+    "straggler_async": Row("ParameterServer async, 3 workers + 1 ps, worker 2 slowed 3x",
+                           _ps(3, 1, *_STRAGGLER)),
+    "straggler_sync_b0": Row("the same, ps.mode=sync, no backup worker",
+                             _ps(3, 1, *_STRAGGLER, "ps.mode=sync")),
+    "straggler_sync_b1": Row("the same, ps.mode=sync, 1 backup worker",
+                             _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
+    # The recommender rows, for `--config configs/recommender.toml --set task.table_scale=0.05`
+    # (the baseline row is then the recommender in one process): the same task and
+    # global batch with sharded tables on 2 ps tasks or replicated on 2 workers,
+    # with tables 8 times as large, and with the hot ids at the front of each table.
+    "rec_ps_2w2p": Row("recommender, ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "rec_mwms_2w": Row("recommender, MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
+    "rec_ps_2w2p_8x": Row("rec_ps_2w2p with tables 8x as large (task.table_scale=0.4)",
+                          _ps(2, 2, "task.table_scale=0.4")),
+    "rec_mwms_2w_8x": Row("rec_mwms_2w with tables 8x as large (task.table_scale=0.4)",
+                          _ps(2, 0, "task.table_scale=0.4")),
+    "rec_ps_2w2p_ranked": Row("rec_ps_2w2p with the hot ids at the front of each table",
+                              _ps(2, 2, "task.ids=ranked")),
+    # Keras 3 beside Keras 2: each row the same strategy as its base with the model in
+    # Keras 3 (the built-in tasks' `task.keras`), its ratio to that Keras 2 row.
+    "keras3": Row("the baseline in Keras 3", (*_BASELINE, *_sets("task.keras=keras"))),
+    "keras3_mirrored_2dev": Row("mirrored_2dev in Keras 3", (
+        *_TRAIN, "--strategy", "mirrored", *_sets("task.keras=keras")), base="mirrored_2dev"),
+    "keras3_mwms_2w": Row("mwms_2w in Keras 3", _ps(2, 0, "task.keras=keras"), base="mwms_2w"),
+    "keras3_ps_2w2p": Row("ps_2w2p in Keras 3 (the project's loop on the coordinator)",
+                          _ps(2, 2, "task.keras=keras"), base="ps_2w2p"),
+    # Where Keras 3's time goes: with 8 steps per execution, the per-step work on the
+    # host (the fit loop, callbacks, dispatching the step) is paid once per 8 steps.
+    "keras3_spe8": Row("spe8 in Keras 3", (*_BASELINE, *_sets("task.keras=keras",
+                                                               "train.steps_per_execution=8")),
+                       base="spe8"),
+    # The input read by index (app/indexed.py, the default) against the task's pipeline
+    # (data.by_index=false): each row's ratio is to the same strategy by index.
+    **{f"{row}_pipeline": Row(f"{row} reading the task's pipeline (data.by_index=false)",
+                              (*args, *_sets("data.by_index=false")), base=row)
+       for row, args in (("baseline", _BASELINE),
+                         ("mirrored_2dev", (*_TRAIN, "--strategy", "mirrored")),
+                         ("mwms_2w", _ps(2, 0)), ("ps_2w2p", _ps(2, 2)),
+                         ("keras3_ps_2w2p", _ps(2, 2, "task.keras=keras")))},
+}
+BASELINE = "baseline"
+DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
+                "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
+                "mwms_2w", "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m tools.bench",
+                                     description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="configs/mnist.toml")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="config override for every row, e.g. train.global_batch_size=128")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
+                        help="comma-separated subset of: " + ", ".join(ROWS))
+    parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/bench"))
+    links = parser.add_mutually_exclusive_group()
+    links.add_argument("--link", metavar="RATE[,DELAY]",
+                       help="run the multi-task rows over links of RATE per task "
+                            "(launch.local --link; needs root), e.g. 1gbit")
+    links.add_argument("--links", metavar="RATE,RATE,...",
+                       help="a bandwidth sweep: the multi-task rows at each rate, "
+                            "e.g. 100mbit,1gbit,10gbit")
+    return parser.parse_args(argv)
+
+
+def link_list(args: argparse.Namespace) -> list[str | None]:
+    """The links the multi-task rows run over: [None] for loopback as it is.
+    ValueError naming the one that cannot be read."""
+    texts = [args.link] if args.link else (args.links.split(",") if args.links else [None])
+    for text in texts:
+        if text is not None:
+            network.parse_link(text)
+    return texts
+
+
+def multi_task(row: str) -> bool:
+    """Whether `row` is a cluster of processes (launch.local), which links can shape."""
+    return ROWS[row].args[:2] == _LOCAL
+
+
+def entries(rows: list[str], links: list[str | None]) -> list[tuple[str, str, str | None]]:
+    """(name, row, link) of each run: a multi-task row once per link ("ps_2w2p@1gbit"
+    in a sweep), a single-process row once, with no link."""
+    out = []
+    for row in rows:
+        for link in (links if multi_task(row) else [None]):
+            out.append((f"{row}@{link}" if len(links) > 1 and link else row, row, link))
+    return out
+
+
+def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
+    """app.train arguments for a run of exactly `steps` steps of pure training."""
+    config = cfg.load(config_path, [*PLAIN, *overrides])
+    batch = config.train.global_batch_size
+    fixed = [f"task.train_examples={steps * batch}",
+             "task.validation_examples=0", f"task.test_examples={batch}", "train.epochs=1",
+             "eval.test_every_epoch=false", "train.verbose=0"]
+    if config.task.name == "mnist" and not any(o.startswith("task.source=") for o in overrides):
+        fixed.insert(0, "task.source=synthetic")  # no files to read; --set task.source=mnist does
+    return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
+
+
+def row_args(row: str, base_args: list[str], gpus: int, link: str | None = None) -> list[str]:
+    """The command line of `row`: its module, the shared arguments, then its own settings."""
+    module, rest = ROWS[row].args[:2], list(ROWS[row].args[2:])
+    if row in ("mirrored_2dev", "keras3_mirrored_2dev", "mirrored_2dev_pipeline"):
+        rest += _devices(gpus)
+    if link and multi_task(row):
+        rest += ["--link", link]
+    return [*module, *base_args, *rest]
+
+
+def row_cluster(row: str) -> tuple[int, int, list[str]]:
+    """(workers, ps tasks, --set items) of a multi-task row."""
+    args = ROWS[row].args
+    value = {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--")}
+    sets = [args[i + 1] for i, flag in enumerate(args) if flag == "--set"]
+    return int(value["--workers"]), int(value["--ps"]), sets
+
+
+def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
+               ) -> tuple[float, str] | None:
+    """tools.plan's least step time of multi-task row `row` over `link`, in seconds,
+    and what sets it ("what ps:1 sends"); None for a single-process row."""
+    if not multi_task(row):
+        return None
+    from app.planning import (  # builds the model: TensorFlow, only when a link asks for it
+        model as plan,
+    )
+
+    workers, num_ps, sets = row_cluster(row)
+    config = cfg.load(config_path, [*PLAIN, *overrides, *sets])
+    rate_bits = network.parse_link(link).rate_bits
+    if not num_ps:
+        return plan.allreduce_bytes(config, workers) * 8 / rate_bits, "each worker's all-reduce"
+    _, traffic = plan.predict(config, num_ps)
+    return plan.step_time_bound(traffic, workers, rate_bits)
+
+
+def add_bounds(results: dict[str, dict], bounds: dict[str, tuple[float, str]]) -> None:
+    """Set each bounded row's measured step time beside tools.plan's bound."""
+    for name, (seconds, binding) in bounds.items():
+        r = results[name]
+        r["plan_bound_ms"], r["plan_bound_link"] = round(seconds * 1000, 1), binding
+        if r["steps_per_sec"]:
+            r["step_ms"] = round(1000 / r["steps_per_sec"], 1)
+            r["step_over_bound"] = round(r["step_ms"] / r["plan_bound_ms"], 3)
+
+
+def _devices(gpus: int) -> list[str]:
+    """Two replicas: two GPUs, one GPU split in two, or the CPU split in two."""
+    if gpus >= 2:
+        return []  # MirroredStrategy takes all the real GPUs
+    if gpus == 1:
+        return list(_sets("runtime.gpu_devices=2"))
+    return list(_sets("runtime.cpu_devices=2"))
+
+
+def measure(args: list[str], workdir: pathlib.Path) -> dict:
+    """Run `python <args>` once; its metrics.json, with the peak memory of all its
+    processes and the CPU seconds they used, summed by cluster task type."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    with open(workdir.with_suffix(".log"), "w") as log:
+        process = subprocess.Popen([sys.executable, *args, "--workdir", str(workdir)],
+                                   env=env, stdout=log, stderr=subprocess.STDOUT)
+        peak, cpu, peaks = 0, {}, {}
+        while process.poll() is None:
+            pids = procstat.tree(process.pid)
+            peak = max(peak, procstat.rss(pids))
+            # A process that has ended keeps its last reading.
+            cpu.update(procstat.cpu_seconds(pids))
+            peaks.update(procstat.peak_rss(pids))
+            time.sleep(0.2)
+    if process.returncode:
+        tail = workdir.with_suffix(".log").read_text()[-3000:]
+        raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{tail}")
+    metrics = json.loads((workdir / "metrics.json").read_text())
+    metrics["peak_memory_mib"] = round(peak / 2**20, 1)
+    by_task: dict[str, float] = {}
+    for task, seconds in cpu.values():
+        by_task[task] = round(by_task.get(task, 0) + seconds, 1)
+    metrics["cpu_seconds"] = by_task
+    largest: dict[str, float] = {}
+    for task, peak_bytes in peaks.values():
+        largest[task] = max(largest.get(task, 0), round(peak_bytes / 2**20, 1))
+    metrics["peak_rss_mib_by_task"] = largest
+    return metrics
+
+
+def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
+        gpus: int, tmp: pathlib.Path) -> tuple[dict[str, dict], dict[str, str]]:
+    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved;
+    (the summary of the runs that finished, the error of each row with a failed run).
+    A failed run does not stop the others: a long sweep keeps what it measured."""
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in schedule}
+    failed: dict[str, str] = {}
+    for r in range(repeats):
+        for i, (name, row, link) in enumerate(schedule):
+            try:
+                metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
+            except RuntimeError as e:
+                failed.setdefault(name, str(e))
+                print(f"  repeat {r + 1}/{repeats} {name}: failed", file=sys.stderr)
+                continue
+            if link:
+                metrics["link"] = link
+            runs[name].append(metrics)
+            print(f"  repeat {r + 1}/{repeats} {name}: "
+                  f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
+    done = {name: metrics for name, metrics in runs.items() if metrics}
+    return (summarize(done) if done else {}), failed
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Per row: median examples/s, ratio to its base row, peak memory, ps figures."""
+    results = {}
+    for row, metrics in runs.items():
+        samples = [m["train_examples_per_sec"] for m in metrics]
+        results[row] = {
+            "what": ROWS[row.split("@")[0]].what,
+            "examples_per_sec": statistics.median(samples),
+            "samples": samples,
+            "steps_per_sec": statistics.median(m.get("train_steps_per_sec", 0) for m in metrics),
+            # The task's headline metric (test_accuracy for MNIST; app/task.py).
+            "metric": metrics[0].get("metric", "test_accuracy"),
+            "test_metric": statistics.median(m.get(m.get("metric"), 0) for m in metrics),
+            "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
+            "cpu_seconds": {task: statistics.median(m["cpu_seconds"].get(task, 0)
+                                                    for m in metrics)
+                            for task in metrics[0].get("cpu_seconds", {})},
+            "num_replicas": metrics[0]["num_replicas"],
+        }
+        for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link",
+                    "test_auc", "bayes_test_auc", "ps_traffic"):
+            if key in metrics[0]:
+                results[row][key] = metrics[0][key]
+        results[row]["peak_rss_mib_by_task"] = {
+            task: max(m.get("peak_rss_mib_by_task", {}).get(task, 0) for m in metrics)
+            for task in metrics[0].get("peak_rss_mib_by_task", {})}
+        if "ps_bytes" in metrics[0]:
+            results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
+            results[row]["ps_balance"] = metrics[0]["ps_balance"]
+    first = next(iter(results))
+    for name, r in results.items():
+        base = ROWS[name.split("@")[0]].base
+        r["ratio_to"] = base if base in results else first  # main() runs every base row
+        r["ratio"] = round(r["examples_per_sec"] / results[r["ratio_to"]]["examples_per_sec"], 3)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rows = [row.strip() for row in args.rows.split(",")]
+    unknown = [row for row in rows if row not in ROWS]
+    if unknown:
+        print(f"error: --rows: unknown row(s) {unknown}; rows are {list(ROWS)}", file=sys.stderr)
+        return 2
+    bases = list(dict.fromkeys([BASELINE, *(ROWS[row].base for row in rows)]))
+    rows = [*bases, *(row for row in rows if row not in bases)]  # ratios need them first
+    try:
+        links = link_list(args)
+        if links != [None] and (problem := network.preflight()):
+            raise ValueError(problem)  # before any row runs, not in the first cluster's log
+        base_args = train_args(args.config, args.set, args.steps)
+    except (cfg.ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    schedule = entries(rows, links)
+    bounds = {name: bound for name, row, link in schedule
+              if link and (bound := plan_bound(row, link, args.config, args.set))}
+    host = bench_report.machine()
+    command = " ".join(["python -m tools.bench", *(sys.argv[1:] if argv is None else argv)])
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+    for error in failed.values():
+        print(f"error: {error}", file=sys.stderr)
+    if not results:
+        return 1
+    add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
+    report = {"command": command, "machine": host, "steps": args.steps,
+              "repeats": args.repeats, **({"links": links} if links != [None] else {}),
+              "rows": results, **({"failed": failed} if failed else {})}
+    (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
+    drawn = bench_report.draw(report, args.workdir / "bench.png")
+    print(bench_report.text(results))
+    print(f"wrote {args.workdir / 'bench.json'}"
+          + (f" and {args.workdir / 'bench.png'}" if drawn else f" ({bench_report.NO_CHART})"))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
