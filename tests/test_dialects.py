@@ -171,3 +171,15 @@ def test_a_keras2_export_takes_layers_the_task_named_with_a_leading_underscore(t
     exported = tf.saved_model.load(str(tmp_path / "export"))
     np.testing.assert_allclose(exported(features), model(features), atol=1e-6)
     assert model.layers[0].name == "_hidden"  # the model's, unchanged
+
+
+@pytest.mark.parametrize("dialect", dialects.DIALECTS, ids=lambda d: d.NAME)
+def test_each_dialect_exports_exactly_the_interface(dialect):
+    assert set(dialect.__all__) == set(dialects.INTERFACE)
+    assert len(dialect.__all__) == len(set(dialect.__all__))
+    assert all(hasattr(dialect, name) for name in dialects.INTERFACE)
+
+
+def test_a_built_in_tasks_keras_name_is_its_dialect():
+    assert [dialects.named(d.NAME) for d in dialects.DIALECTS] == list(dialects.DIALECTS)
+    assert dialects.module("keras") is keras and dialects.module("tf_keras") is tf_keras

@@ -11,7 +11,7 @@ import tensorflow as tf
 from app import config as cfg
 from app import trainer
 from app.dialects import keras3, keras3_ps
-from app.distribute.ps import evaluation as ps_evaluation
+from app.dialects.keras3_build import prebuild
 from app.planning import model as plan
 from app.run import runners
 from tests.conftest import tiny_task
@@ -85,7 +85,7 @@ def test_sync_parameter_servers_refuse_a_keras3_model_by_name(ps_strategy, ps_cl
 
 def test_an_auc_evaluated_on_the_workers_is_the_one_keras_computes(ps_strategy):
     # AUC updates its counts as v.assign(v + x): evaluated by two workers at once, a
-    # batch could be lost (app/dialects/keras3.py, ATOMIC_METRICS).
+    # batch could be lost (app/dialects/keras3.py, ps_evaluator).
     rng = np.random.default_rng(0)
     x = rng.normal(size=(6400, 4)).astype("float32")
     y = (x[:, :1] + rng.normal(size=(6400, 1)) > 0).astype("float32")
@@ -99,9 +99,9 @@ def test_an_auc_evaluated_on_the_workers_is_the_one_keras_computes(ps_strategy):
 
     with ps_strategy.scope():
         model = classifier()
-        keras3.prebuild(model, lambda context: dataset)
+        prebuild(model, lambda context: dataset)
     coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
-    evaluate = ps_evaluation.evaluator(model, coordinator, 2, parallel=keras3.ATOMIC_METRICS)
+    evaluate = keras3.ps_evaluator(model, coordinator, 2)
     local = classifier()
     local.set_weights(model.get_weights())
     expected = local.evaluate(dataset, verbose=0, return_dict=True)

@@ -1,25 +1,12 @@
 """The Keras a task is written in: Keras 3 (`import keras`, `tf.keras`) or Keras 2
 (`import tf_keras`), found from the objects the task returns.
 
-One module per dialect, each with the same small set of names (Keras 3 keeps one
-package per backend the same way, `keras/src/backend/`): `keras2` wraps the
-`tf_keras` machinery the project grew up with, `keras3` speaks Keras 3. `of`
-picks one for a built model, once per run; nothing else asks which Keras it is.
-
-Each dialect module has:
-
-- `NAME`, `LABEL`: its short name (metrics.json's `keras`) and how a message names it;
-- `keras`: the Keras module itself;
-- `owns(obj)`: whether `obj` (a model, layer, loss, metric, optimizer) is of this Keras;
-- `optimizer(kind, learning_rate, config)`, `learning_rate(config, steps_per_epoch)`;
-- `compile(model, optimizer, task, config)`: compile, and build the optimizer's slots;
-- `variables(model, optimizer)`, `tf_variable(v)`: the TensorFlow variables of both;
-- `backup(backup_dir, every_steps)`, `tensorboard(log_dir)`: its callbacks;
-- `use_variable_rng()`: random layers built from then on keep their state in variables
-  (which its backup saves), for `train.deterministic`;
-- `fit(model, dataset_fn, strategy, callbacks, epochs, steps_per_epoch, verbose)`;
-- `evaluate(model, dataset)`, `export(model, directory)`;
-- `check_runner(kind, config, task)`: refuse what this Keras cannot do under a strategy kind.
+One module per dialect, each with the same small set of names, `INTERFACE` (Keras 3
+keeps one package per backend the same way, `keras/src/backend/`): `keras2` wraps
+the `tf_keras` machinery the project grew up with, `keras3` speaks Keras 3. `of`
+picks one for a built model, once per run, and `named` one for a built-in task's
+`task.keras` field; nothing else asks which Keras it is. Each module's `__all__` is
+`INTERFACE`; what else it holds is its own.
 """
 
 from __future__ import annotations
@@ -29,6 +16,36 @@ from typing import Any
 
 from app.config import ConfigError
 from app.dialects import keras2, keras3
+
+# What every dialect module defines, and all that code outside it uses of it.
+INTERFACE = (
+    "NAME",  # its short name: a built-in task's `task.keras`, metrics.json's `keras`
+    "LABEL",  # how a message names it
+    "IMPORT",  # how a task imports it, for messages
+    "keras",  # the Keras module itself
+    "owns",  # owns(obj): whether obj (a model, layer, loss, metric, optimizer) is of it
+    "set_precision",  # set_precision(policy) -> restore: its global dtype policy
+    "use_variable_rng",  # () -> restore: random layers built from now keep state in variables
+    "schedules",  # () -> its learning rate schedules module
+    "optimizer",  # optimizer(kind, learning_rate, config): `train.optimizer`, configured
+    "optimizer_class",  # optimizer_class(kind): its adam, adagrad or sgd class, as it is
+    "check_runner",  # check_runner(config, task, *, parameter_servers, synchronous_ps)
+    "compile",  # compile(model, optimizer, task, config): the task's loss and metrics
+    "build_optimizer",  # build_optimizer(model, dataset_fn, slot_device): slots now
+    "fit",  # fit(model, dataset_fn, strategy, callbacks, epochs, steps_per_epoch, verbose)
+    "backup",  # backup(backup_dir, every_steps): the callback fit() resumes from
+    "tensorboard",  # tensorboard(log_dir): its TensorBoard callback
+    "evaluate",  # evaluate(model, dataset) -> {"loss": ..., metric: ...}
+    "export",  # export(model, directory): what the run exports, each file whole or absent
+    "variables",  # variables(model, optimizer): the TensorFlow variables of both
+    "tf_variable",  # tf_variable(v): the TensorFlow variable behind one of its variables
+    "slots",  # slots(model, optimizer): id(slot) -> id(its variable)
+    # Under ParameterServerStrategy (a ClusterCoordinator):
+    "build_coordinated",  # (model, task, dataset_fn, slot_device) -> what its steps run
+    "fit_coordinated",  # its loop on the coordinator
+    "resumes_by_callback",  # (by_index) -> whether fit_coordinated resumes from `backup`
+    "ps_evaluator",  # (model, coordinator, workers): exact evaluation on the workers
+)
 
 DIALECTS = (keras3, keras2)
 
@@ -82,10 +99,15 @@ def check_optimizer(optimizer: Any, dialect, task: Any) -> None:
     _same_keras(dialect, task, "optimizer", optimizer)
 
 
+def named(name: str):
+    """The dialect a built-in task is written in, by its `task.keras` field: "keras"
+    (Keras 3) or "tf_keras" (Keras 2)."""
+    return next(d for d in DIALECTS if d.NAME == name)
+
+
 def module(name: str) -> Any:
-    """The Keras module a built-in task builds with, by its `task.keras` field:
-    "keras" (Keras 3) or "tf_keras" (Keras 2)."""
-    return next(d.keras for d in DIALECTS if d.NAME == name)
+    """The Keras module a built-in task builds with, by its `task.keras` field."""
+    return named(name).keras
 
 
 # The `task.keras` field of the built-in tasks: the Keras their models are written in.
@@ -95,10 +117,8 @@ NAMES = tuple(d.NAME for d in DIALECTS)
 def set_precision(policy: str) -> Any:
     """Set the dtype policy of both Kerases (which one the task uses is known only once
     its model is built, under the policy); returns what restores the previous ones."""
-    previous = [(d, d.global_policy()) for d in DIALECTS]
-    for d in DIALECTS:
-        d.set_global_policy(policy)
-    return lambda: [d.set_global_policy(p) for d, p in previous]
+    restores = [d.set_precision(policy) for d in DIALECTS]
+    return lambda: [restore() for restore in restores]
 
 
 def use_variable_rng() -> Any:

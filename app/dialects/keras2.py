@@ -18,8 +18,16 @@ import tf_keras as keras
 from app import strategy as strategies
 from app.dialects import keras2_optimizers as optimizers
 from app.distribute.ps import coordinated
+from app.distribute.ps import evaluation as ps_evaluation
 from app.run import callbacks
 from app.state.workdir import save_dir
+
+# The dialect interface (app.dialects.INTERFACE); what else is here is this module's own.
+__all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_variable_rng",
+           "schedules", "optimizer", "optimizer_class", "check_runner", "compile",
+           "build_optimizer", "fit", "backup", "tensorboard", "evaluate", "export", "variables",
+           "tf_variable", "slots", "build_coordinated", "fit_coordinated",
+           "resumes_by_callback", "ps_evaluator"]
 
 NAME = "tf_keras"
 LABEL = "Keras 2 (tf_keras)"
@@ -30,12 +38,11 @@ def owns(obj: Any) -> bool:
     return any(c.__module__.split(".")[0] == "tf_keras" for c in type(obj).__mro__)
 
 
-def global_policy() -> str:
-    return keras.mixed_precision.global_policy().name
-
-
-def set_global_policy(policy: str) -> None:
+def set_precision(policy: str) -> Callable[[], None]:
+    """tf_keras' global dtype policy `policy`; returns what puts the previous one back."""
+    previous = keras.mixed_precision.global_policy().name
     keras.mixed_precision.set_global_policy(policy)
+    return lambda: keras.mixed_precision.set_global_policy(previous)
 
 
 def use_variable_rng() -> Callable[[], None]:
@@ -53,14 +60,19 @@ def use_variable_rng() -> Callable[[], None]:
 
 def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
     """`train.optimizer`, with the configured gradient compression."""
-    cls, kwargs = {"adam": (optimizers.Adam, {}),
-                   "sgd": (keras.optimizers.SGD, {"momentum": 0.9}),
-                   "adagrad": (optimizers.Adagrad, {})}[kind]
+    cls, kwargs = optimizer_class(kind), {"momentum": 0.9} if kind == "sgd" else {}
     if config.sync.compression == "fp16":
         cls = optimizers.fp16_all_reduce(cls)
     if config.ps.compression == "fp16":
         cls = optimizers.fp16_push(cls)
     return cls(learning_rate, **kwargs)
+
+
+def optimizer_class(kind: str) -> type:
+    """The optimizer class of `kind` ("adam", "adagrad", "sgd"): the project's own Adam
+    and Adagrad (`app.dialects.keras2_optimizers`, fused kernels), tf_keras' SGD."""
+    return {"adam": optimizers.Adam, "adagrad": optimizers.Adagrad,
+            "sgd": keras.optimizers.SGD}[kind]
 
 
 def schedules():
@@ -83,12 +95,12 @@ def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
     the slots of a sharded variable only into slots that exist; restored before they
     are built, they stay at their initial values, silently (keras-team/tf-keras#838,
     tests/test_resume_shards.py)."""
-    build_layers(model, dataset_fn)
+    _build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
 
 
-def build_layers(model: keras.Model, dataset_fn) -> None:
+def _build_layers(model: keras.Model, dataset_fn) -> None:
     """Create the variables of `model` if it is not built yet, from the shapes and
     dtypes of the features `dataset_fn`'s elements hold.
 
@@ -106,15 +118,22 @@ def build_layers(model: keras.Model, dataset_fn) -> None:
     model(tf.nest.map_structure(lambda s: keras.Input(s.shape[1:], dtype=s.dtype), features))
 
 
-# Every metric update is one op on its variable (assign_add): workers evaluating shards
-# at once under parameter servers count each batch once.
-ATOMIC_METRICS = True
+def ps_evaluator(model: keras.Model, coordinator, workers: int):
+    """Exact evaluation of `model` on the workers of `coordinator`, all at once: every
+    metric update of tf_keras is one op on its variable (assign_add), so workers
+    evaluating shards at once count each batch once."""
+    return ps_evaluation.evaluator(model, coordinator, workers, parallel=True)
 
-# tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among its
-# callbacks, for a task that gives only a training pipeline. A task whose examples
-# are read by index trains in the project's own loop (app.distribute.ps.coordinated), which passes
-# each step its number, with that loop's backup.
-LOOP_BACKUP = False
+
+def resumes_by_callback(by_index: bool) -> bool:
+    """Whether `fit_coordinated` resumes from the `backup` callback in its list.
+
+    tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among
+    its callbacks, for a task that gives only a training pipeline. A task whose
+    examples are read by index (`by_index`) trains in the project's own loop
+    (app.distribute.ps.coordinated), which passes each step its number, with that
+    loop's backup."""
+    return not by_index
 
 
 def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None:
@@ -187,7 +206,7 @@ def export(model: keras.Model, directory: pathlib.Path) -> None:
 
 
 # What tf_keras names a layer of a class whose name begins with `_` (`to_snake_case`).
-PRIVATE = "private"
+_PRIVATE = "private"
 
 
 @contextlib.contextmanager
@@ -206,13 +225,13 @@ def _valid_root_scopes(model: keras.Model) -> Iterator[None]:
     renamed = [layer for layer in [model, *model.submodules]
                if isinstance(layer, keras.layers.Layer) and layer.name.startswith("_")]
     for layer in renamed:
-        layer._name = PRIVATE + layer.name  # tf_keras 2.21: `name` reads `_name`
+        layer._name = _PRIVATE + layer.name  # tf_keras 2.21: `name` reads `_name`
     try:
         yield
     finally:
         for layer in renamed:
-            layer._name = layer.name.removeprefix(PRIVATE)
+            layer._name = layer.name.removeprefix(_PRIVATE)
 
 
-def check_runner(kind: str, config, task) -> None:
-    """Every strategy kind trains Keras 2 models."""
+def check_runner(config, task, *, parameter_servers: bool, synchronous_ps: bool) -> None:
+    """Every kind of run trains Keras 2 models."""

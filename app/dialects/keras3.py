@@ -26,8 +26,9 @@ from app import strategy as strategies
 from app import tf_internal
 from app.cluster import preemption
 from app.config import ConfigError
-from app.dialects import keras3_ps
+from app.dialects import keras3_build, keras3_ps
 from app.distribute.ps import coordinated
+from app.distribute.ps import evaluation as ps_evaluation
 from app.state.workdir import save_dir
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,13 @@ log = logging.getLogger(__name__)
 # Keras 3.15's TensorFlow trainer: its step functions call this module's
 # reduce_per_replica (see `_reduce_per_replica`).
 _keras_reduce_per_replica = _tf_trainer.reduce_per_replica
+
+# The dialect interface (app.dialects.INTERFACE); what else is here is this module's own.
+__all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_variable_rng",
+           "schedules", "optimizer", "optimizer_class", "check_runner", "compile",
+           "build_optimizer", "fit", "backup", "tensorboard", "evaluate", "export", "variables",
+           "tf_variable", "slots", "build_coordinated", "fit_coordinated",
+           "resumes_by_callback", "ps_evaluator"]
 
 NAME = "keras"
 LABEL = "Keras 3 (keras, tf.keras)"
@@ -47,12 +55,11 @@ def owns(obj: Any) -> bool:
     return any(c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__)
 
 
-def global_policy() -> str:
-    return keras.config.dtype_policy().name
-
-
-def set_global_policy(policy: str) -> None:
+def set_precision(policy: str) -> Callable[[], None]:
+    """Keras 3's global dtype policy `policy`; returns what puts the previous one back."""
+    previous = keras.config.dtype_policy().name
     keras.config.set_dtype_policy(policy)
+    return lambda: keras.config.set_dtype_policy(previous)
 
 
 def use_variable_rng() -> Callable[[], None]:
@@ -71,11 +78,11 @@ def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimiz
     if kind == "sgd":
         return keras.optimizers.SGD(learning_rate, momentum=0.9)
     if kind == "adam":
-        return fused_adam(keras.optimizers.Adam(learning_rate))
+        return _fused_adam(keras.optimizers.Adam(learning_rate))
     return keras.optimizers.Adagrad(learning_rate)
 
 
-def fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
+def _fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
     """`adam`, its dense updates made by TensorFlow's fused ResourceApplyAdam kernel,
     as Keras 2's Adam's are.
 
@@ -109,6 +116,12 @@ def fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
     return adam
 
 
+def optimizer_class(kind: str) -> type:
+    """Keras 3's own optimizer class of `kind` ("adam", "adagrad", "sgd")."""
+    return {"adam": keras.optimizers.Adam, "adagrad": keras.optimizers.Adagrad,
+            "sgd": keras.optimizers.SGD}[kind]
+
+
 def schedules():
     return keras.optimizers.schedules
 
@@ -124,78 +137,36 @@ def compile(model: keras.Model, optimizer, task, config) -> None:
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
     """The model's variables, then the optimizer's slots of them (under `slot_device`,
     so that they can be placed), then the metrics' and the loss tracker's variables."""
-    build_layers(model, dataset_fn)
+    keras3_build.build_layers(model, dataset_fn)
     with slot_device:
         model.optimizer.build(model.trainable_variables)
-    prebuild(model, dataset_fn)
+    keras3_build.prebuild(model, dataset_fn)
 
 
-def _element_spec(dataset_fn):
-    return dataset_fn(tf.distribute.InputContext()).element_spec
+def ps_evaluator(model: keras.Model, coordinator, workers: int):
+    """Exact evaluation of `model` on the workers of `coordinator`, one worker at a time.
+
+    Keras 3.15's confusion-matrix metrics (AUC, Precision, Recall, ...), F-scores and
+    IoU update their variables as `v.assign(v + x)` (metrics_utils.py): two workers
+    doing so at once under parameter servers lose one's batch (measured: the
+    recommender's weights after its last epoch, evaluated twice by two workers at
+    once, gave test AUCs of 0.8013 and 0.8045)."""
+    return ps_evaluation.evaluator(model, coordinator, workers, parallel=False)
 
 
-def build_layers(model: keras.Model, dataset_fn) -> None:
-    """Create the variables of every layer of `model` not built yet, from the shapes of
-    the features `dataset_fn`'s elements hold, before anything is built from them.
-
-    `Model.build(shape)` on a subclassed model without a `build` of its own (as
-    keras.io's "Customizing what happens in fit()" builds one) marks it built and
-    creates no variable (Keras 3.15 layer.py, `Layer.build`: a warning); its layers
-    are built at its first call. Keras' own fit calls it before it builds the
-    optimizer (`Trainer._symbolic_build`); built first, the optimizer knew no variable
-    and the first step failed with "Unknown variable". A symbolic call, as Keras makes.
-    """
-    if all(layer.built for layer in model._flatten_layers()):
-        return
-    features = keras.utils.unpack_x_y_sample_weight(_element_spec(dataset_fn))[0]
-    model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), features),
-          training=False)
-
-
-def prebuild(model: keras.Model, dataset_fn) -> None:
-    """Build what Keras 3 builds from the first batch, from the shapes of `dataset_fn`'s
-    elements instead, in the strategy's scope.
-
-    Under a strategy Keras 3.15's fit() and evaluate() read a batch first and
-    average it over the replicas to build the model (TensorFlowTrainer
-    `_maybe_symbolic_build`): that batch is not trained on, and a model that
-    takes strings fails there (AddN has no string kernel). Built here from
-    blanks of the same shapes, the model does not need that batch: the step is
-    skipped. Under ParameterServerStrategy no step may create variables on a
-    worker, so they must exist before the first one is scheduled.
-    """
-    spec = _element_spec(dataset_fn)
-    model._symbolic_build(data_batch=tf.nest.map_structure(_blank, spec))
-    model._maybe_symbolic_build = _built
-
-
-def _built(iterator=None, data_batch=None) -> None:
-    return None
-
-
-def _blank(spec: tf.TensorSpec) -> tf.Tensor:
-    shape = [1 if d is None else d for d in spec.shape]
-    return tf.fill(shape, "") if spec.dtype == tf.string else tf.zeros(shape, spec.dtype)
-
-
-# Keras 3.15's confusion-matrix metrics (AUC, Precision, Recall, ...), F-scores and IoU
-# update their variables as `v.assign(v + x)` (metrics_utils.py): two workers doing
-# so at once under parameter servers lose one's batch. Exact evaluation there runs on
-# one worker at a time (measured: the recommender's weights after its last epoch,
-# evaluated twice by two workers at once, gave test AUCs of 0.8013 and 0.8045).
-ATOMIC_METRICS = False
-
-# Under a ClusterCoordinator the loop is the project's own (app.distribute.ps.coordinated), and so
-# is its backup (coordinated.LoopBackup): the trainer adds no `backup` callback there.
-LOOP_BACKUP = True
+def resumes_by_callback(by_index: bool) -> bool:
+    """Whether `fit_coordinated` resumes from the `backup` callback in its list: never.
+    Under a ClusterCoordinator the loop is the project's own (app.distribute.ps.coordinated),
+    and so is its backup (coordinated.LoopBackup)."""
+    return False
 
 
 def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
     """Ready `model` for steps scheduled on a ClusterCoordinator: what they run."""
     keras3_ps.atomic_updates()
-    build_layers(model, dataset_fn)  # the variables Steps builds the optimizer for
+    keras3_build.build_layers(model, dataset_fn)  # the variables Steps builds the optimizer for
     steps = keras3_ps.Steps(model, task, slot_device)
-    prebuild(model, dataset_fn)
+    keras3_build.prebuild(model, dataset_fn)
     return steps
 
 
@@ -472,7 +443,7 @@ def _save_keras_file(model: keras.Model, directory: pathlib.Path) -> None:
 
 
 # The root of every variable's name in the SavedModel's graph (`_export`).
-EXPORT_SCOPE = "model"
+_EXPORT_SCOPE = "model"
 
 
 def _export(model: keras.Model, path: pathlib.Path) -> None:
@@ -487,18 +458,19 @@ def _export(model: keras.Model, path: pathlib.Path) -> None:
     archive.track(model)
     archive.add_endpoint("serve", tf.function(lambda *inputs: model(*inputs, training=False)),
                          input_signature=get_input_signature(model))
-    with tf_internal.exported_names(lambda name: f"{EXPORT_SCOPE}/{name}"):
+    with tf_internal.exported_names(lambda name: f"{_EXPORT_SCOPE}/{name}"):
         archive.write_out(str(path), verbose=False)
 
 
-def check_runner(kind: str, config, task) -> None:
-    """Refuse what Keras 3 cannot do under strategy kind `kind`."""
+def check_runner(config, task, *, parameter_servers: bool, synchronous_ps: bool) -> None:
+    """Refuse what Keras 3 cannot do in a run: on `parameter_servers` (a debug.slow_worker
+    slows the tf_keras step only) or with `synchronous_ps` (ps.mode = sync, whose step,
+    app/distribute/ps/sync.py, is written in tf_keras)."""
     name = type(task).__name__
-    if kind in ("AsyncPS", "SyncPS") and config.debug.slow_worker >= 0:
+    if parameter_servers and config.debug.slow_worker >= 0:
         raise ConfigError(f"debug.slow_worker slows the steps of Keras 2 (tf_keras) models, "
                           f"and task {name} builds a Keras 3 model; set it to -1")
-    if kind == "SyncPS":
+    if synchronous_ps:
         raise ConfigError(
             f"ps.mode = sync trains Keras 2 (tf_keras) models, and task {name} "
             "builds a Keras 3 model; use ps.mode = async or MultiWorkerMirrored")
-

@@ -34,7 +34,6 @@ from app import strategy as strategies
 from app.cluster import markers
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
-from app.distribute.ps import evaluation as ps_evaluation
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.run import callbacks as project_callbacks
@@ -134,7 +133,9 @@ class SingleHost:
         with self.strategy.scope():
             model = task.build_model()
             self.dialect = dialects.of(model, task)
-            self.dialect.check_runner(type(self).__name__, self.config, task)
+            self.dialect.check_runner(self.config, task,
+                                      parameter_servers=self.coordinator is not None,
+                                      synchronous_ps=self.synchronous_ps)
             model = self.wrap(model)
             optimizer = make_optimizer(self.dialect)
             dialects.check_optimizer(optimizer, self.dialect, task)
@@ -149,6 +150,8 @@ class SingleHost:
     # whether a step it runs again (after a worker died) may have been applied already.
     reads_by_index = True
     reruns_applied_steps = False
+    # Whether updates are ps.mode = sync's, in that loop's own step (app/distribute/ps/sync.py).
+    synchronous_ps = False
 
     def read_by_index(self, source: indexed.Source, order: indexed.Order) -> None:
         """Train on `source`'s examples in `order`, from the step the backup restores."""
@@ -343,7 +346,7 @@ class AsyncPS(SingleHost):
     @property
     def resumable(self) -> bool:
         # By index, both Kerases train in the project's loop, with its own backup.
-        return not (self.dialect.LOOP_BACKUP or self.reading)
+        return self.dialect.resumes_by_callback(by_index=self.reading is not None)
 
     def slot_device(self):
         # Keras' optimizers compute each slot's initial value eagerly, as a tensor
@@ -360,8 +363,7 @@ class AsyncPS(SingleHost):
         return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
 
     def evaluator(self, model, task):
-        return ps_evaluation.evaluator(model, self.coordinator, self._workers,
-                                       parallel=self.dialect.ATOMIC_METRICS)
+        return self.dialect.ps_evaluator(model, self.coordinator, self._workers)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         if self.straggler:
@@ -409,6 +411,7 @@ class SyncPS(AsyncPS):
     # Each update takes the first gradients of any `required` workers; a contribution
     # is not tied to a part of a global batch yet, so sync reads the task's pipeline.
     reads_by_index = False
+    synchronous_ps = True
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
