@@ -1,4 +1,5 @@
-"""The `evaluator` task: Keras' SidecarEvaluator on the checkpoints in the shared workdir.
+"""The `evaluator` task: Keras' SidecarEvaluator on the checkpoints in the shared workdir
+(`app.dialects.keras2_sidecar`).
 
 Training saves `checkpoints/ckpt-<epoch>` after every epoch
 (`callbacks.EpochCheckpoint`). The evaluator evaluates each new one on the
@@ -16,65 +17,15 @@ import pathlib
 import time
 from typing import Any
 
-import tf_keras as keras
-
 from app import data
 from app import task as tasks
 from app.config import Config
-from app.state.workdir import CHECKPOINT_DIR, METRICS_FILE, write_json
+from app.dialects import keras2_sidecar
+from app.state.workdir import METRICS_FILE, write_json
 
 log = logging.getLogger(__name__)
 
 EVAL_DIR = "eval"
-
-
-class Sidecar(keras.utils.SidecarEvaluator):
-    """SidecarEvaluator that also stops when training has finished.
-
-    Keras' evaluator stops only after the checkpoint numbered `max_evaluations`;
-    a run that ends earlier (fewer epochs after a restart, or a failure) would
-    leave it waiting forever. Its `_timeout_fn` is called whenever no new
-    checkpoint has come for 30 s; returning True there ends the loop.
-    """
-
-    def __init__(self, *args, workdir: pathlib.Path, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.workdir = workdir
-
-    def _timeout_fn(self) -> bool:
-        finished = (self.workdir / METRICS_FILE).exists()
-        if not finished:
-            log.info("no new checkpoint in %s yet; training still running",
-                     self.workdir / CHECKPOINT_DIR)
-        return finished
-
-
-class _Record(keras.callbacks.Callback):
-    """Each evaluation's results, with the checkpoint it evaluated.
-
-    SidecarEvaluator does not say which checkpoint it restored; the newest one
-    when the evaluation begins is it, unless training saved another in the
-    milliseconds between the restore and this callback.
-    """
-
-    def __init__(self, checkpoints: pathlib.Path, metric: str):
-        super().__init__()
-        self.checkpoints, self.metric = checkpoints, metric
-        self.results: list[dict[str, Any]] = []
-        self._current = ""
-
-    def on_test_begin(self, logs=None):
-        import tensorflow as tf
-
-        self._current = tf.train.latest_checkpoint(str(self.checkpoints)) or ""
-
-    def on_test_end(self, logs=None):
-        name = pathlib.Path(self._current).name
-        row = {"checkpoint": name, "epoch": int(name.rsplit("-", 1)[-1]) if name else 0,
-               **{k: float(v) for k, v in (logs or {}).items()}}
-        self.results.append(row)
-        log.info("evaluated %s: %s %.4f, loss %.4f", row["checkpoint"], self.metric,
-                 row.get(self.metric, float("nan")), row.get("loss", float("nan")))
 
 
 def run(config: Config, workdir: pathlib.Path, *, task: tasks.Task | None = None,
@@ -82,24 +33,16 @@ def run(config: Config, workdir: pathlib.Path, *, task: tasks.Task | None = None
     """Evaluate training's checkpoints as they appear; return and record the `eval` section."""
     if task is None:
         task, config = tasks.create(config)
-    model = task.build_model()
-    # An optimizer of Keras' current type: the evaluator then restores the
-    # training step from the checkpoint when it has one, and never demands it.
-    model.compile(optimizer=keras.optimizers.Adam(), loss=task.loss(), metrics=task.metrics())
-    record = _Record(workdir / CHECKPOINT_DIR, task.metric)
-    Sidecar(
-        model,
-        data=data.exact(task.eval_dataset("test", config.eval.batch_size)),
-        checkpoint_dir=str(workdir / CHECKPOINT_DIR),
-        max_evaluations=config.train.epochs,
-        callbacks=[keras.callbacks.TensorBoard(str(workdir / EVAL_DIR / "tensorboard")), record],
-        workdir=workdir,
-    ).start()
-    section: dict[str, Any] = {"evaluations": record.results}
+    # Keras 2 (tf_keras): the SidecarEvaluator is tf_keras' own.
+    results = keras2_sidecar.evaluate_checkpoints(
+        task.build_model(), task, data.exact(task.eval_dataset("test", config.eval.batch_size)),
+        workdir, max_evaluations=config.train.epochs,
+        log_dir=workdir / EVAL_DIR / "tensorboard")
+    section: dict[str, Any] = {"evaluations": results}
     if task.eval_examples("test") is not None:
         section["num_test_examples"] = task.eval_examples("test")
-    if record.results:
-        last = record.results[-1]
+    if results:
+        last = results[-1]
         section.update(checkpoint=last["checkpoint"], epoch=last["epoch"],
                        **{f"test_{k}": v for k, v in last.items()
                           if k not in ("checkpoint", "epoch")})

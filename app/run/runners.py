@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
 from app import dialects, indexed
 from app import strategy as strategies
 from app.cluster import markers
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
+from app.dialects import keras2_sync
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.run import callbacks as project_callbacks
@@ -127,7 +127,7 @@ class SingleHost:
 
     # -- the run -----------------------------------------------------------------------
 
-    def build(self, task: Task, make_optimizer: Callable[[Any], Any]) -> keras.Model:
+    def build(self, task: Task, make_optimizer: Callable[[Any], Any]) -> Any:
         """The task's model, its variables created under the strategy, compiled with
         `make_optimizer(dialect)`, in the Keras the model is written in."""
         with self.strategy.scope():
@@ -173,20 +173,19 @@ class SingleHost:
         """Where the optimizer's slots get their initial values."""
         return contextlib.nullcontext()
 
-    def wrap(self, model: keras.Model) -> keras.Model:
+    def wrap(self, model) -> Any:
         return model
 
     def report(self) -> list[str]:
         """Lines for the log once the model is built (where its variables live)."""
         return []
 
-    def evaluator(self, model: keras.Model, task: Task) -> Evaluate:
+    def evaluator(self, model, task: Task) -> Evaluate:
         """evaluate(dataset) -> {"loss": ..., metric: ...}, every example exactly once."""
         return lambda dataset: self.dialect.evaluate(model, dataset)
 
-    def fit(self, model: keras.Model, dataset_fn: DatasetFn,
-            callbacks: list[keras.callbacks.Callback], steps_per_epoch: int,
-            workdir: pathlib.Path) -> keras.callbacks.History:
+    def fit(self, model, dataset_fn: DatasetFn, callbacks: list, steps_per_epoch: int,
+            workdir: pathlib.Path) -> Any:
         """Train; `callbacks` hold the backup fit() resumes from (in `workdir`)."""
         if self.reading:  # after the backup's callback, which restores the step
             callbacks = [*callbacks, _FirstStep(self._first_step, self.dialect)]
@@ -194,11 +193,11 @@ class SingleHost:
                                 self.config.train.epochs, steps_per_epoch,
                                 _verbose(self.config.train.verbose))
 
-    def serving(self, model: keras.Model) -> keras.Model:
+    def serving(self, model) -> Any:
         """The trained model to export."""
         return model
 
-    def metrics(self, model: keras.Model) -> dict[str, Any]:
+    def metrics(self, model) -> dict[str, Any]:
         """What metrics.json records about this kind of run beyond the common fields."""
         return {}
 
@@ -416,7 +415,7 @@ class SyncPS(AsyncPS):
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
         self.figures: dict[str, Any] = {}
-        self._task_loss: keras.losses.Loss | None = None
+        self._task_loss = None  # the loss its own step computes (keras2_sync.task_loss)
 
     def check(self) -> None:
         backup = self.config.ps.backup_workers
@@ -461,28 +460,7 @@ class SyncPS(AsyncPS):
 
     def build(self, task, make_optimizer):
         model = super().build(task, make_optimizer)  # refuses a Keras 3 model
-        loss = task.loss()
-        # sync_ps's own step computes one loss of (features, labels): what Keras'
-        # compile would add for several outputs or a model's own train_step is not there.
-        self._refuse(isinstance(loss, dict | list | tuple),
-                     f"ps.mode = sync trains one loss, and task {type(task).__name__} gives one "
-                     "per output (a model of several outputs); use ps.mode = async or "
-                     "MultiWorkerMirrored")
-        self._task_loss = keras.losses.get(loss)
-        self._refuse(not isinstance(self._task_loss, keras.losses.Loss),
-                     f"ps.mode = sync needs the task's loss as a keras.losses.Loss, and task "
-                     f"{type(task).__name__} gives a {type(loss).__name__}; wrap it in "
-                     "keras.losses.LossFunctionWrapper or use ps.mode = async")
-        # Per-example losses: sync_ps averages them itself (Keras refuses a batch
-        # mean inside a function the coordinator schedules).
-        self._task_loss.reduction = keras.losses.Reduction.NONE
-        for step in ("train_step", "compute_loss"):
-            # sync_ps computes the task's loss itself: a model's own compute_loss would
-            # not run either, and the model would train silently on another loss.
-            self._refuse(getattr(type(model), step) is not getattr(keras.Model, step),
-                         "ps.mode = sync runs its own training step (app/distribute/ps/sync.py), "
-                         f"so the {step} of {type(model).__name__} would not run; use ps.mode = "
-                         "async or MultiWorkerMirrored")
+        self._task_loss = keras2_sync.task_loss(model, task)
         return model
 
     def metrics(self, model):
@@ -518,7 +496,7 @@ def per_worker(dataset_fn: DatasetFn, num_workers: int) -> DatasetFn:
     return fn
 
 
-def weights_digest(model: keras.Model) -> str:
+def weights_digest(model) -> str:
     digest = hashlib.sha256()
     for array in model.get_weights():
         digest.update(np.ascontiguousarray(array).tobytes())
