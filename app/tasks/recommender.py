@@ -32,12 +32,13 @@ import tensorflow as tf
 
 from app import dialects, indexed
 from app.config import ConfigError, field
-from app.dialects import keras2_optimizers as optimizers
 from app.task import Task
 from app.tasks import ctr_data, dlrm, dlrm_keras3
 
 MAX_ROWS = 2**31 - 1  # the spread permutation multiplies ids in int64
 _TABLE_NAME = re.compile(r"(?:^|/)table_(\d+)/embeddings")
+# The model's code, one module per Keras, each written in its module's `keras`.
+MODELS = (dlrm, dlrm_keras3)
 _INDEX_BYTES = 8  # one int64 per row: the id looked up, and the gradient's index
 
 
@@ -130,13 +131,18 @@ class Recommender(Task):
                                   p.ids == "spread", p.data_seed)
 
     @property
+    def dialect(self):
+        """The Keras the model is written in (`task.keras`), as `app.dialects` speaks it."""
+        return dialects.named(self.params.keras)
+
+    @property
     def keras(self):
-        return dialects.module(self.params.keras)
+        return self.dialect.keras
 
     @property
     def dlrm(self):
-        """The model's module: `dlrm` (tf_keras) or `dlrm_keras3`."""
-        return dlrm_keras3 if self.params.keras == "keras" else dlrm
+        """The model's module: the one of `MODELS` written in the task's Keras."""
+        return next(m for m in MODELS if m.keras is self.keras)
 
     def build_model(self):
         p = self.params
@@ -199,15 +205,11 @@ class Recommender(Task):
         return [self.keras.metrics.AUC(num_thresholds=1000, from_logits=True, name="auc")]
 
     def optimizer(self, learning_rate):
-        p = self.params
-        if p.keras == "keras":  # Keras 3's own optimizers
-            tables = (self.keras.optimizers.Adagrad if p.table_optimizer == "adagrad"
-                      else self.keras.optimizers.SGD)
-            return dlrm_keras3.SplitOptimizer(tables=tables(p.table_learning_rate),
-                                              dense=self.keras.optimizers.Adam(learning_rate))
-        kind = optimizers.Adagrad if p.table_optimizer == "adagrad" else self.keras.optimizers.SGD
-        return dlrm.SplitOptimizer(tables=kind(p.table_learning_rate),
-                                   dense=optimizers.Adam(learning_rate))
+        # Each Keras' optimizers as the dialect has them: Keras 3's own, or the project's
+        # fused Adam and Adagrad for tf_keras (app.dialects.keras2_optimizers).
+        p, kind = self.params, self.dialect.optimizer_class
+        return self.dlrm.SplitOptimizer(tables=kind(p.table_optimizer)(p.table_learning_rate),
+                                        dense=kind("adam")(learning_rate))
 
     def serving_model(self, model):
         # The layers alone, without the optimizer pair: a server needs no training state.
