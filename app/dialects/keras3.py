@@ -8,7 +8,6 @@ loop on the ClusterCoordinator (`app.dialects.keras3_ps`).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -20,22 +19,17 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow import trainer as _tf_trainer
 
 from app import strategy as strategies
 from app import tf_internal
 from app.cluster import preemption
 from app.config import ConfigError
-from app.dialects import keras3_build, keras3_ps
+from app.dialects import keras3_build, keras3_internal, keras3_ps
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
 from app.state.workdir import save_dir
 
 log = logging.getLogger(__name__)
-
-# Keras 3.15's TensorFlow trainer: its step functions call this module's
-# reduce_per_replica (see `_reduce_per_replica`).
-_keras_reduce_per_replica = _tf_trainer.reduce_per_replica
 
 # The dialect interface (app.dialects.INTERFACE); what else is here is this module's own.
 __all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_variable_rng",
@@ -98,7 +92,7 @@ def _fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
     def update_step(gradient, variable, learning_rate):
         if adam.amsgrad or isinstance(gradient, tf.IndexedSlices):
             return keras_update(gradient, variable, learning_rate)
-        index = adam._get_variable_index(variable)
+        momentum, velocity = keras3_internal.adam_slots(adam, variable)
         var = tf_variable(variable)
         dtype = var.dtype
         step = tf.cast(adam.iterations + 1, dtype)
@@ -106,8 +100,7 @@ def _fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
         # Inside strategy.extended.update, a mirrored variable's handle is this
         # device's copy's.
         tf.raw_ops.ResourceApplyAdam(
-            var=var.handle, m=tf_variable(adam._momentums[index]).handle,
-            v=tf_variable(adam._velocities[index]).handle,
+            var=var.handle, m=tf_variable(momentum).handle, v=tf_variable(velocity).handle,
             beta1_power=tf.pow(beta_1, step), beta2_power=tf.pow(beta_2, step),
             lr=tf.cast(learning_rate, dtype), beta1=beta_1, beta2=beta_2,
             epsilon=tf.cast(adam.epsilon, dtype), grad=tf.cast(gradient, dtype))
@@ -342,59 +335,17 @@ def tensorboard(log_dir: pathlib.Path):
     return keras.callbacks.TensorBoard(str(log_dir), update_freq="epoch")
 
 
-def _reduce_per_replica(values, strategy, reduction):
-    # Keras 3.15 reduces a step's logs (the metrics' results, the same on every
-    # replica) with strategy.reduce("MEAN", v, axis=0) under MultiWorkerMirrored,
-    # which fails on a scalar ("Invalid reduction dimension 0 for input with 0
-    # dimensions"): every fit() of two workers stopped at its first step. The first
-    # replica's logs are what "auto" gives on one host.
-    if reduction == "auto" and _tf_trainer._collective_all_reduce_multi_worker(strategy):
-        reduction = "first"
-    return _keras_reduce_per_replica(values, strategy, reduction)
-
-
 def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
         steps_per_epoch: int, verbose) -> keras.callbacks.History:
     """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`; a
     resumed run starts its first epoch at the step after its backup's."""
-    _tf_trainer.reduce_per_replica = _reduce_per_replica
+    keras3_internal.reduce_logs_first_under_multi_worker()
     dataset = strategy.distribute_datasets_from_function(
         dataset_fn, options=strategies.input_options(strategy))
     backup_ = next((cb for cb in callbacks_ if isinstance(cb, Backup)), None)
-    with _first_epoch_from(lambda: backup_.steps_done if backup_ else 0):
+    with keras3_internal.first_epoch_from(lambda: backup_.steps_done if backup_ else 0):
         return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                          callbacks=callbacks_, verbose=verbose, shuffle=False)
-
-
-@contextlib.contextmanager
-def _first_epoch_from(first_step):
-    """Within it, the next fit() numbers its first epoch's steps from `first_step()`
-    (read when that epoch begins, after the callbacks' on_train_begin restored the
-    backup). Keras 3.15's fit makes its training TFEpochIterator first, then any
-    for evaluation, which are left as they are."""
-    original = _tf_trainer.TFEpochIterator
-
-    class _Resuming(original):
-        def _enumerate_iterator(self):
-            first = self._first_step() if self._first_step else 0
-            self._first_step = None
-            # The skipped steps read no input (train_function does): the epoch's
-            # input goes on from where the iterator is.
-            for begin, end, iterator in super()._enumerate_iterator():
-                if begin >= first:
-                    yield begin, end, iterator
-
-    def make(*args, **kwargs):
-        _tf_trainer.TFEpochIterator = original  # one, for training
-        iterator = _Resuming(*args, **kwargs)
-        iterator._first_step = first_step
-        return iterator
-
-    _tf_trainer.TFEpochIterator = make
-    try:
-        yield
-    finally:
-        _tf_trainer.TFEpochIterator = original
 
 
 def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
@@ -452,12 +403,10 @@ def _export(model: keras.Model, path: pathlib.Path) -> None:
     # (RandomFlip, RandomRotation, ...) then augment each request. Its variables are
     # named under the project's own root scope: Keras' names, from its layers', may
     # not be valid roots (`tf_internal.exported_names`).
-    from keras.src.export.export_utils import get_input_signature  # Keras 3.15
-
     archive = keras.export.ExportArchive()
     archive.track(model)
     archive.add_endpoint("serve", tf.function(lambda *inputs: model(*inputs, training=False)),
-                         input_signature=get_input_signature(model))
+                         input_signature=keras3_internal.input_signature(model))
     with tf_internal.exported_names(lambda name: f"{_EXPORT_SCOPE}/{name}"):
         archive.write_out(str(path), verbose=False)
 

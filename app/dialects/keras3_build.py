@@ -8,6 +8,8 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
+from app.dialects import keras3_internal
+
 
 def _element_spec(dataset_fn):
     return dataset_fn(tf.distribute.InputContext()).element_spec
@@ -24,7 +26,7 @@ def build_layers(model: keras.Model, dataset_fn) -> None:
     optimizer (`Trainer._symbolic_build`); built first, the optimizer knew no variable
     and the first step failed with "Unknown variable". A symbolic call, as Keras makes.
     """
-    if all(layer.built for layer in model._flatten_layers()):
+    if all(layer.built for layer in keras3_internal.flatten_layers(model)):
         return
     features = keras.utils.unpack_x_y_sample_weight(_element_spec(dataset_fn))[0]
     model(tf.nest.map_structure(lambda s: keras.KerasTensor(s.shape, s.dtype.name), features),
@@ -44,12 +46,7 @@ def prebuild(model: keras.Model, dataset_fn) -> None:
     worker, so they must exist before the first one is scheduled.
     """
     spec = _element_spec(dataset_fn)
-    model._symbolic_build(data_batch=tf.nest.map_structure(_blank, spec))
-    model._maybe_symbolic_build = _built
-
-
-def _built(iterator=None, data_batch=None) -> None:
-    return None
+    keras3_internal.build_from_batch(model, tf.nest.map_structure(_blank, spec))
 
 
 def _blank(spec: tf.TensorSpec) -> tf.Tensor:

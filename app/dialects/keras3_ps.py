@@ -24,10 +24,10 @@ written here) on a worker. What Keras 3.15 lacks for that, read from its source:
   other variables' values and shapes. `keras3_slots.checkpoint_by_table` makes it
   save each slot of a sharded variable whole, as tf_keras' optimizer does.
 
-These read private Keras 3.15 members (`Variable._value` and
-`_initialize_with_initializer`, `keras.src.backend.tensorflow.numpy.take`,
-`Trainer._loss_tracker`) and TensorFlow's `_gather_saveables_for_checkpoint`
-(2.21): if they move, `tests/test_keras3_ps.py` fails.
+These read private Keras 3.15 members, through `app.dialects.keras3_internal`
+(a variable's storage and updates, `ops.take`, the trainer's loss tracker and
+train_step), and define TensorFlow's `_gather_saveables_for_checkpoint` (2.21):
+if they move, `tests/test_keras3_ps.py` fails.
 """
 
 from __future__ import annotations
@@ -35,16 +35,14 @@ from __future__ import annotations
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.common.stateless_scope import in_stateless_scope
-from keras.src.backend.tensorflow import core as keras_core
-from keras.src.backend.tensorflow import numpy as keras_numpy
 
 from app.config import ConfigError
+from app.dialects import keras3_internal
 from app.dialects.keras3_slots import checkpoint_by_table
 
-_keras_assign_add = keras_core.Variable.assign_add
-_keras_assign_sub = keras_core.Variable.assign_sub
-_keras_take = keras_numpy.take
+_keras_assign_add = keras3_internal.variable_class().assign_add
+_keras_assign_sub = keras3_internal.variable_class().assign_sub
+_keras_take = keras3_internal.numpy_module().take
 
 
 def _is_sharded(value) -> bool:
@@ -53,15 +51,17 @@ def _is_sharded(value) -> bool:
 
 
 def _assign_add(self, value):
-    if in_stateless_scope() or self._value is None or not hasattr(self._value, "assign_add"):
+    storage = keras3_internal.tensorflow_value(self)
+    if keras3_internal.in_stateless_scope() or not hasattr(storage, "assign_add"):
         return _keras_assign_add(self, value)
-    return self._value.assign_add(tf.cast(value, self._value.dtype))
+    return storage.assign_add(tf.cast(value, storage.dtype))
 
 
 def _assign_sub(self, value):
-    if in_stateless_scope() or self._value is None or not hasattr(self._value, "assign_sub"):
+    storage = keras3_internal.tensorflow_value(self)
+    if keras3_internal.in_stateless_scope() or not hasattr(storage, "assign_sub"):
         return _keras_assign_sub(self, value)
-    return self._value.assign_sub(tf.cast(value, self._value.dtype))
+    return storage.assign_sub(tf.cast(value, storage.dtype))
 
 
 def sharded_take(x, indices, axis=None):
@@ -75,22 +75,18 @@ def sharded_take(x, indices, axis=None):
 def atomic_updates() -> None:
     """Keras 3 variables' assign_add and assign_sub as one TensorFlow op each, and
     `take` shard-aware (see the module's docstring). Idempotent; for the process."""
-    keras_core.Variable.assign_add = _assign_add
-    keras_core.Variable.assign_sub = _assign_sub
-    keras_numpy.take = sharded_take
+    keras3_internal.variable_class().assign_add = _assign_add
+    keras3_internal.variable_class().assign_sub = _assign_sub
+    keras3_internal.numpy_module().take = sharded_take
 
 
-class ShardVariable(keras.Variable):
+class ShardVariable(keras3_internal.VariableOver):
     """A Keras 3 variable over one shard of a ShardedVariable, sharing its storage."""
 
     def __init__(self, shard: tf.Variable):
-        self._shard = shard
-        super().__init__(initializer=lambda shape, dtype: None, shape=tuple(shard.shape),
-                         dtype=shard.dtype.name, trainable=shard.trainable,
+        super().__init__(shard, shape=tuple(shard.shape), dtype=shard.dtype.name,
+                         trainable=shard.trainable,
                          name=shard.name.split(":")[0].replace("/", "_"))
-
-    def _initialize_with_initializer(self, initializer):
-        self._value = self._shard
 
 
 class ShardedTableVariable(keras.Variable):
@@ -139,7 +135,7 @@ class Steps:
         parts = trainable(model)
         self.variables = [variable for group in parts for variable in group]
         self.sharded = len(self.variables) != len(model.trainable_variables)
-        if self.sharded and type(model).train_step is not _keras_train_step():
+        if self.sharded and type(model).train_step is not keras3_internal.default_train_step():
             raise ConfigError(
                 f"the train_step of {type(model).__name__} (task {type(task).__name__}) "
                 "differentiates the model's variables, and some of them are sharded over "
@@ -159,14 +155,8 @@ class Steps:
             y_pred = model(x, training=True)
             loss = model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
                                       training=True)
-        model._loss_tracker.update_state(loss,
-                                         sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
+        keras3_internal.loss_tracker(model).update_state(
+            loss, sample_weight=tf.shape(tf.nest.flatten(x)[0])[0])
         gradients = tape.gradient(loss, [v.value for v in self.variables])
         model.optimizer.apply(gradients, self.variables)
         return model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-
-
-def _keras_train_step():
-    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
-
-    return TensorFlowTrainer.train_step

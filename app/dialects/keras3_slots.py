@@ -12,8 +12,8 @@ its tables (`keras3_ps.ShardedTableVariable`). `tests/test_resume_shards.py`
 restores a backup into 3, 1 and 2 shards and compares every slot.
 
 This overrides TensorFlow's private `Trackable._trackable_children` (TF 2.21) on
-the optimizer objects, and reads Keras 3.15's slot names: if either moves, that test
-fails.
+the optimizer objects, through `app.dialects.keras3_internal`, and reads Keras 3.15's
+slot names: if either moves, that test fails.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import keras
 import tensorflow as tf
 
 from app import tf_internal
+from app.dialects import keras3_internal
 
 
 def checkpoint_by_table(optimizer, parts: list[list[keras.Variable]]) -> None:
@@ -47,21 +48,21 @@ def checkpoint_by_table(optimizer, parts: list[list[keras.Variable]]) -> None:
               for index, shard in enumerate(group)}
     if not shards:
         return
-    own = optimizer._trackable_children
+    own = keras3_internal.checkpoint_children(optimizer)
     children = own("checkpoint")
-    whole = _whole_slots(children["_variables"], shards, parts)
+    whole = _whole_slots(children[keras3_internal.OPTIMIZER_VARIABLES], shards, parts)
     lists = {name: tf_internal.tracked_list(_joined(child, whole))
              for name, child in children.items()
-             if isinstance(child, list) and name != "_trainable_variables"}
+             if isinstance(child, list) and name != keras3_internal.OPTIMIZER_TRAINABLE_VARIABLES}
 
     def trackable_children(save_type="checkpoint", **kwargs):
         found = own(save_type, **kwargs)
         if save_type == "checkpoint":
-            found.pop("_trainable_variables", None)
+            found.pop(keras3_internal.OPTIMIZER_TRAINABLE_VARIABLES, None)
             found.update(lists)
         return found
 
-    object.__setattr__(optimizer, "_trackable_children", trackable_children)
+    keras3_internal.set_checkpoint_children(optimizer, trackable_children)
     for child in children.values():
         if isinstance(child, keras.optimizers.Optimizer):
             checkpoint_by_table(child, parts)
