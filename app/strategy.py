@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from app import tf_internal
 from app.cluster.tf_config import Cluster
-from app.config import Config, ConfigError, RuntimeConfig
+from app.config import Config, ConfigError, RuntimeConfig, SyncConfig
 
 log = logging.getLogger(__name__)
 
@@ -104,17 +104,17 @@ def create(name: str, cluster: Cluster | None = None,
 
         return parameter_server.create(cluster, config.ps, config.cluster.connect_timeout_s)
     if choice == "multi_worker_mirrored":
-        return _multi_worker(cluster, config)
+        return _multi_worker(cluster, config.sync)
     raise ConfigError(f"Unrecognized strategy {choice!r}")
 
 
-def _multi_worker(cluster: Cluster | None, config: Config) -> tf.distribute.Strategy:
+def _multi_worker(cluster: Cluster | None, sync: SyncConfig) -> tf.distribute.Strategy:
     """MultiWorkerMirroredStrategy; its constructor waits until every worker has joined."""
     implementation = tf.distribute.experimental.CommunicationImplementation
     options = tf.distribute.experimental.CommunicationOptions(implementation={
         "auto": implementation.AUTO, "ring": implementation.RING,
-        "nccl": implementation.NCCL}[config.sync.collective],
-        bytes_per_pack=config.sync.bytes_per_pack)
+        "nccl": implementation.NCCL}[sync.collective],
+        bytes_per_pack=sync.bytes_per_pack)
     return MultiWorkerMirroredStrategy(
         cluster_resolver=cluster.resolver() if cluster else None,
         communication_options=options)

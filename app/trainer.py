@@ -256,7 +256,7 @@ def optimizer(config: Config, task: Task, steps_per_epoch: int, dialect):
     own = task.optimizer(lr)
     if own is not None:
         return own
-    return dialect.optimizer(config.train.optimizer, lr, config)
+    return dialect.optimizer(config.train.optimizer, lr, config.sync, config.ps)
 
 
 def learning_rate(config: Config, steps_per_epoch: int, dialect) -> Any:

@@ -71,7 +71,7 @@ def test_a_model_of_neither_keras_is_refused():
 
 def test_gradient_compression_is_refused_for_keras3():
     with pytest.raises(cfg.ConfigError) as e:
-        keras3.optimizer("adam", 0.1, config("sync.compression=fp16"))
+        keras3.optimizer("adam", 0.1, config("sync.compression=fp16").sync, cfg.PSConfig())
     assert str(e.value) == ("sync.compression = fp16 compresses the gradients of Keras 2 "
                             "(tf_keras) models; this task's model is Keras 3. Set it to none")
 
@@ -121,7 +121,7 @@ def test_the_fused_adam_steps_as_keras_own_adam_does(mirrored):
     ids, y = rng.integers(0, 50, (64, 3)), rng.normal(size=(64, 1)).astype("float32")
     trained = []
     for make in (lambda: keras.optimizers.Adam(0.05),
-                 lambda: keras3.optimizer("adam", 0.05, config())):
+                 lambda: keras3.optimizer("adam", 0.05, cfg.SyncConfig(), cfg.PSConfig())):
         keras.utils.set_random_seed(1)
         with strategy.scope():
             adam = make()
@@ -134,7 +134,8 @@ def test_the_fused_adam_steps_as_keras_own_adam_does(mirrored):
     assert len(trained[0]) == len(trained[1])
     for keras_own, fused in zip(*trained, strict=True):  # float32 rounding apart
         np.testing.assert_allclose(fused, keras_own, rtol=1e-4, atol=1e-5)
-    assert "update_step" in vars(keras3.optimizer("adam", 0.05, config()))  # the fused one
+    fused = keras3.optimizer("adam", 0.05, cfg.SyncConfig(), cfg.PSConfig())
+    assert "update_step" in vars(fused)  # the fused one
 
 
 def test_a_keras3_export_does_not_depend_on_the_names_keras_gives_layers(tmp_path):

@@ -27,10 +27,10 @@ INTERFACE = (
     "set_precision",  # set_precision(policy) -> restore: its global dtype policy
     "use_variable_rng",  # () -> restore: random layers built from now keep state in variables
     "schedules",  # () -> its learning rate schedules module
-    "optimizer",  # optimizer(kind, learning_rate, config): `train.optimizer`, configured
+    "optimizer",  # optimizer(kind, learning_rate, sync, ps): `train.optimizer`, compressed
     "optimizer_class",  # optimizer_class(kind): its adam, adagrad or sgd class, as it is
-    "check_runner",  # check_runner(config, task, *, parameter_servers, synchronous_ps)
-    "compile",  # compile(model, optimizer, task, config): the task's loss and metrics
+    "check_runner",  # check_runner(debug, task, *, parameter_servers, synchronous_ps)
+    "compile",  # compile(model, optimizer, task, train): the task's loss and metrics
     "build_optimizer",  # build_optimizer(model, dataset_fn, slot_device): slots now
     "fit",  # fit(model, dataset_fn, strategy, callbacks, epochs, steps_per_epoch, verbose)
     "backup",  # backup(backup_dir, every_steps): the callback fit() resumes from

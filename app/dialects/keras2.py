@@ -16,6 +16,7 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import strategy as strategies
+from app.config import DebugConfig, PSConfig, SyncConfig, TrainConfig
 from app.dialects import keras2_optimizers as optimizers
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
@@ -58,12 +59,13 @@ def use_variable_rng() -> Callable[[], None]:
     return (lambda: None) if was_on else experimental.disable_tf_random_generator
 
 
-def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
+def optimizer(kind: str, learning_rate: Any, sync: SyncConfig, ps: PSConfig
+              ) -> keras.optimizers.Optimizer:
     """`train.optimizer`, with the configured gradient compression."""
     cls, kwargs = optimizer_class(kind), {"momentum": 0.9} if kind == "sgd" else {}
-    if config.sync.compression == "fp16":
+    if sync.compression == "fp16":
         cls = optimizers.fp16_all_reduce(cls)
-    if config.ps.compression == "fp16":
+    if ps.compression == "fp16":
         cls = optimizers.fp16_push(cls)
     return cls(learning_rate, **kwargs)
 
@@ -79,12 +81,12 @@ def schedules():
     return keras.optimizers.schedules
 
 
-def compile(model: keras.Model, optimizer, task, config) -> None:
+def compile(model: keras.Model, optimizer, task, train: TrainConfig) -> None:
     """Compile `model` with the task's loss and metrics."""
     model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
                   loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics(),
-                  steps_per_execution=config.train.steps_per_execution,
-                  jit_compile=config.train.jit_compile)
+                  steps_per_execution=train.steps_per_execution,
+                  jit_compile=train.jit_compile)
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
@@ -233,5 +235,6 @@ def _valid_root_scopes(model: keras.Model) -> Iterator[None]:
             layer._name = layer.name.removeprefix(_PRIVATE)
 
 
-def check_runner(config, task, *, parameter_servers: bool, synchronous_ps: bool) -> None:
+def check_runner(debug: DebugConfig, task, *, parameter_servers: bool,
+                 synchronous_ps: bool) -> None:
     """Every kind of run trains Keras 2 models."""

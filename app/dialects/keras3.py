@@ -23,7 +23,7 @@ import tensorflow as tf
 from app import strategy as strategies
 from app import tf_internal
 from app.cluster import preemption
-from app.config import ConfigError
+from app.config import ConfigError, DebugConfig, PSConfig, SyncConfig, TrainConfig
 from app.dialects import keras3_build, keras3_internal, keras3_ps
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
@@ -62,10 +62,11 @@ def use_variable_rng() -> Callable[[], None]:
     return lambda: None
 
 
-def optimizer(kind: str, learning_rate: Any, config) -> keras.optimizers.Optimizer:
+def optimizer(kind: str, learning_rate: Any, sync: SyncConfig, ps: PSConfig
+              ) -> keras.optimizers.Optimizer:
     """`train.optimizer`, as Keras 3 has it; the gradient compressions are Keras 2's."""
-    for key, value in (("sync.compression", config.sync.compression),
-                       ("ps.compression", config.ps.compression)):
+    for key, value in (("sync.compression", sync.compression),
+                       ("ps.compression", ps.compression)):
         if value != "none":
             raise ConfigError(f"{key} = {value} compresses the gradients of Keras 2 (tf_keras) "
                               "models; this task's model is Keras 3. Set it to none")
@@ -119,12 +120,12 @@ def schedules():
     return keras.optimizers.schedules
 
 
-def compile(model: keras.Model, optimizer, task, config) -> None:
+def compile(model: keras.Model, optimizer, task, train: TrainConfig) -> None:
     """Compile `model` with the task's loss and metrics."""
     model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
                   loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics(),
-                  steps_per_execution=config.train.steps_per_execution,
-                  jit_compile=config.train.jit_compile)
+                  steps_per_execution=train.steps_per_execution,
+                  jit_compile=train.jit_compile)
 
 
 def build_optimizer(model: keras.Model, dataset_fn, slot_device) -> None:
@@ -411,12 +412,13 @@ def _export(model: keras.Model, path: pathlib.Path) -> None:
         archive.write_out(str(path), verbose=False)
 
 
-def check_runner(config, task, *, parameter_servers: bool, synchronous_ps: bool) -> None:
+def check_runner(debug: DebugConfig, task, *, parameter_servers: bool,
+                 synchronous_ps: bool) -> None:
     """Refuse what Keras 3 cannot do in a run: on `parameter_servers` (a debug.slow_worker
     slows the tf_keras step only) or with `synchronous_ps` (ps.mode = sync, whose step,
     app/distribute/ps/sync.py, is written in tf_keras)."""
     name = type(task).__name__
-    if parameter_servers and config.debug.slow_worker >= 0:
+    if parameter_servers and debug.slow_worker >= 0:
         raise ConfigError(f"debug.slow_worker slows the steps of Keras 2 (tf_keras) models, "
                           f"and task {name} builds a Keras 3 model; set it to -1")
     if synchronous_ps:

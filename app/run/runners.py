@@ -133,13 +133,13 @@ class SingleHost:
         with self.strategy.scope():
             model = task.build_model()
             self.dialect = dialects.of(model, task)
-            self.dialect.check_runner(self.config, task,
+            self.dialect.check_runner(self.config.debug, task,
                                       parameter_servers=self.coordinator is not None,
                                       synchronous_ps=self.synchronous_ps)
             model = self.wrap(model)
             optimizer = make_optimizer(self.dialect)
             dialects.check_optimizer(optimizer, self.dialect, task)
-            self.dialect.compile(model, optimizer, task, self.config)
+            self.dialect.compile(model, optimizer, task, self.config.train)
             self.build_optimizer(model, task)  # slots now, for placement
         return model
 
