@@ -19,7 +19,6 @@ import collections
 import contextlib
 import logging
 import pathlib
-import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -27,12 +26,12 @@ import numpy as np
 import tensorflow as tf
 
 from app import indexed
-from app.cluster import preemption
+from app.state import backup as backups
 
 log = logging.getLogger(__name__)
 
 
-class LoopBackup:
+class LoopBackup(backups.Backup):
     """The backup of a run of this loop, in <workdir>/backup/chief: the model, the
     optimizer (slots and step), and the position (epoch, step). Keras'
     BackupAndRestore restores its own fit() only. Saved by the chief once every
@@ -40,52 +39,25 @@ class LoopBackup:
     its own variables (tf.train.Checkpoint)."""
 
     def __init__(self, coordinator, model, backup_dir: pathlib.Path, every_steps: int = 0):
-        self.coordinator, self.every_steps = coordinator, every_steps
-        self.directory = backup_dir / "chief"
-        self.sigterm = preemption.Sigterm()
-        self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_epoch")
-        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_step")
-        checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer,
-                                         epoch=self._epoch, step=self._step)
-        self.manager = tf.train.CheckpointManager(checkpoint, str(self.directory), max_to_keep=1)
-        self._since_save = 0
-
-    def restore(self) -> tuple[int, int]:
-        """(epoch, step) to go on from; from here on SIGTERM means save and stop."""
-        self.sigterm.install()
-        latest = self.manager.latest_checkpoint
-        if latest:
-            self.manager.checkpoint.restore(latest).assert_existing_objects_matched()
-            log.info("resumed from %s: epoch %d, step %d", latest,
-                     int(self._epoch.numpy()) + 1, int(self._step.numpy()))
-        return int(self._epoch.numpy()), int(self._step.numpy())
+        super().__init__(backup_dir / "chief", every_steps)
+        self.coordinator = coordinator
+        self.track(model=model, optimizer=model.optimizer)
 
     def step_done(self, epoch: int, done: int) -> None:
-        self._since_save += 1
-        if self.sigterm.requested() or self.every_steps and self._since_save >= self.every_steps:
-            self.save(epoch, done)
-        self._stop_if_asked(epoch, done)
+        self.steps_run()
+        self.at(epoch, done)
+        self.stop_if_asked()
+        if self.due():
+            self.save()
 
     def epoch_done(self, epoch: int, steps: int) -> None:
-        self.save(epoch + 1, 0)
-        self._stop_if_asked(epoch, steps)  # said as its last step, as the other backups say
+        self.write(epoch + 1, 0)
+        self.at(epoch, steps)  # said as its last step, as the other backups say
+        self.stop_if_saved_and_asked()
 
-    def save(self, epoch: int, step: int) -> None:
+    def write(self, epoch: int, step: int) -> None:
         self.coordinator.join()  # every step scheduled so far has run
-        self._epoch.assign(epoch)
-        self._step.assign(step)
-        self.manager.save()
-        self._since_save = 0
-
-    def delete(self) -> None:
-        self.sigterm.uninstall()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def _stop_if_asked(self, epoch: int, step: int) -> None:
-        if self.sigterm.requested():
-            self.sigterm.ignore()
-            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping", epoch + 1, step)
-            raise preemption.preempted(str(self.directory))
+        super().write(epoch, step)
 
 
 def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pathlib
-import shutil
 import time
 import uuid
 from collections.abc import Callable
@@ -40,8 +39,8 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import tf_internal
-from app.cluster import preemption
 from app.config import ConfigError
+from app.state import backup as backups
 
 log = logging.getLogger(__name__)
 
@@ -312,7 +311,7 @@ def _gather(training: SyncTraining, iterator, progress: _Progress, losses: list,
         time.sleep(poll_s)
 
 
-class SyncBackup:
+class SyncBackup(backups.Backup):
     """The backup of a sync run, where BackupAndRestore keeps fit()'s
     (<workdir>/backup/chief): the parameters and the optimizer's slots and step,
     the version counter, the pushed and taken counts, and the position (epoch,
@@ -324,59 +323,42 @@ class SyncBackup:
     """
 
     def __init__(self, training: SyncTraining, backup_dir: pathlib.Path, every_steps: int = 0):
-        self.training, self.every_steps = training, every_steps
-        self.directory = backup_dir / "chief"
-        self.sigterm = preemption.Sigterm()
+        super().__init__(backup_dir / "chief", every_steps)
+        self.training = training
         # On the chief (no strategy scope): the position, the updates taken per worker.
-        self._epoch = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_epoch")
-        self._step = tf.Variable(0, dtype=tf.int64, trainable=False, name="backup_step")
         self._taken = tf.Variable(tf.zeros([training.num_workers], tf.int64), trainable=False,
                                   name="backup_taken")
-        checkpoint = tf.train.Checkpoint(
-            model=training.model, version=training.version, pushed=training.pushed,
-            epoch=self._epoch, step=self._step, taken=self._taken)
-        self.manager = tf.train.CheckpointManager(checkpoint, str(self.directory), max_to_keep=1)
-        self._since_save = 0
+        self.taken = np.zeros(training.num_workers)  # so far, as of the position
+        self.track(model=training.model, version=training.version, pushed=training.pushed,
+                   taken=self._taken)
 
     def restore(self) -> tuple[int, int, np.ndarray]:
         """Restore the last backup, if there is one: (epoch, step) to go on from, and
         the updates taken so far per worker. From here on SIGTERM means save and stop."""
-        self.sigterm.install()
-        latest = self.manager.latest_checkpoint
-        if latest:
-            self.manager.checkpoint.restore(latest).assert_existing_objects_matched()
-            self.training.resume_version()
-            log.info("resumed from %s: epoch %d, step %d, version %d", latest,
-                     int(self._epoch.numpy()) + 1, int(self._step.numpy()),
-                     int(self.training.version.numpy()))
-        return (int(self._epoch.numpy()), int(self._step.numpy()),
-                self._taken.numpy().astype(np.float64))  # the gate counts in float32
+        epoch, step = super().restore()
+        return epoch, step, self._taken.numpy().astype(np.float64)  # the gate counts in float32
+
+    def resumed(self, path: str) -> None:
+        self.training.resume_version()
+        log.info("resumed from %s: epoch %d, step %d, version %d", path,
+                 int(self._epoch.numpy()) + 1, int(self._step.numpy()),
+                 int(self.training.version.numpy()))
 
     def step_done(self, epoch: int, done: int, taken: np.ndarray) -> None:
         """After update `done` of `epoch` (not its last): save if due, or on SIGTERM."""
-        self._since_save += 1
-        if self.sigterm.requested() or self.every_steps and self._since_save >= self.every_steps:
-            self.save(epoch, done, taken)
-        self._stop_if_asked(epoch, done)
+        self.steps_run()
+        self.at(epoch, done)
+        self.taken = taken
+        self.stop_if_asked()
+        if self.due():
+            self.save()
 
     def epoch_done(self, epoch: int, taken: np.ndarray) -> None:
-        self.save(epoch + 1, 0, taken)
-        self._stop_if_asked(epoch + 1, 0)
+        self.at(epoch + 1, 0)
+        self.taken = taken
+        self.save()
+        self.stop_if_saved_and_asked()
 
-    def save(self, epoch: int, step: int, taken: np.ndarray) -> None:
-        self._epoch.assign(epoch)
-        self._step.assign(step)
-        self._taken.assign(taken.astype(np.int64))
-        self.manager.save()
-        self._since_save = 0
-
-    def delete(self) -> None:
-        """Training is over: the backup goes, as BackupAndRestore's does."""
-        self.sigterm.uninstall()
-        shutil.rmtree(self.directory, ignore_errors=True)
-
-    def _stop_if_asked(self, epoch: int, step: int) -> None:
-        if self.sigterm.requested():
-            self.sigterm.ignore()
-            log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping", epoch + 1, step)
-            raise preemption.preempted(str(self.directory))
+    def write(self, epoch: int, step: int) -> None:
+        self._taken.assign(self.taken.astype(np.int64))
+        super().write(epoch, step)
