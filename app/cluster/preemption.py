@@ -4,8 +4,9 @@ Kubernetes, SLURM and launch.local ask a task to stop with SIGTERM and kill
 it a grace period later. A training task (the chief, each MultiWorkerMirrored
 worker, a single process) then saves a backup at the next step boundary and
 exits with `EXIT_CODE`; the relaunched job resumes from that backup. The
-backups themselves are written by `callbacks.Backup` (Keras fit) and
-`sync_ps.SyncBackup` (ps.mode = sync); this module holds the signal side.
+backups themselves are written by the subclasses of `app.state.backup.Backup`
+(Keras' fit, the loop on a coordinator, ps.mode = sync); this module holds the
+signal side.
 
 Exit codes of `python -m app.train`: 0 done, 2 a configuration or storage
 mistake (retrying cannot help), 203 a lost task (`cluster.TaskLost`), 204

@@ -1,6 +1,6 @@
 """Keras 2 (`import tf_keras`): the dialect the project's machinery was first written in.
 
-Its optimizers (`app.dialects.keras2_optimizers`), backup (`app.run.callbacks.Backup`) and the
+Its optimizers (`app.dialects.keras2_optimizers`), backup (`app.dialects.keras2_backup`) and the
 ParameterServerStrategy path of Keras' own `fit` are tf_keras' own; this module
 is the face they show the trainer (see `app.dialects`).
 """
@@ -17,10 +17,10 @@ import tf_keras as keras
 
 from app import strategy as strategies
 from app.config import DebugConfig, PSConfig, SyncConfig, TrainConfig
+from app.dialects import keras2_backup
 from app.dialects import keras2_optimizers as optimizers
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
-from app.run import callbacks
 from app.state.workdir import save_dir
 
 # The dialect interface (app.dialects.INTERFACE); what else is here is this module's own.
@@ -49,7 +49,7 @@ def set_precision(policy: str) -> Callable[[], None]:
 def use_variable_rng() -> Callable[[], None]:
     """From now on, the random layers built (Dropout, GaussianNoise, the augmentation
     layers) draw from a `tf.random.Generator`, whose state is a variable that
-    `callbacks.Backup` saves, instead of TF1's stateful random ops, whose state lives
+    `keras2_backup.Backup` saves, instead of TF1's stateful random ops, whose state lives
     in each op's kernel and starts over in a new process or a new tf.function (a
     resumed run's dropout masks would be those of the run's first steps). Returns
     what puts tf_keras' previous choice back (the choice is process-global)."""
@@ -130,8 +130,8 @@ def ps_evaluator(model: keras.Model, coordinator, workers: int):
 def resumes_by_callback(by_index: bool) -> bool:
     """Whether `fit_coordinated` resumes from the `backup` callback in its list.
 
-    tf_keras' fit drives a ClusterCoordinator itself, with `callbacks.Backup` among
-    its callbacks, for a task that gives only a training pipeline. A task whose
+    tf_keras' fit drives a ClusterCoordinator itself, with `keras2_backup.Backup`
+    among its callbacks, for a task that gives only a training pipeline. A task whose
     examples are read by index (`by_index`) trains in the project's own loop
     (app.distribute.ps.coordinated), which passes each step its number, with that
     loop's backup."""
@@ -180,7 +180,7 @@ def slots(model: keras.Model, optimizer) -> dict[int, int]:
 
 
 def backup(backup_dir: pathlib.Path, every_steps: int):
-    return callbacks.Backup(str(backup_dir), every_steps)
+    return keras2_backup.Backup(str(backup_dir), every_steps)
 
 
 def tensorboard(log_dir: pathlib.Path):

@@ -22,11 +22,11 @@ import tensorflow as tf
 
 from app import strategy as strategies
 from app import tf_internal
-from app.cluster import preemption
 from app.config import ConfigError, DebugConfig, PSConfig, SyncConfig, TrainConfig
 from app.dialects import keras3_build, keras3_internal, keras3_ps
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
+from app.state import backup as backups
 from app.state.workdir import save_dir
 
 log = logging.getLogger(__name__)
@@ -203,7 +203,7 @@ def variables(model: keras.Model, optimizer) -> list:
     return [tf_variable(v) for v in [*model.variables, *optimizer.variables]]
 
 
-class Backup(keras.callbacks.BackupAndRestore):
+class Backup(keras.callbacks.BackupAndRestore, backups.Backup):
     """Keras 3's BackupAndRestore in <workdir>/backup: saved at each epoch's end, every
     `every_steps` steps, and at the first step after SIGTERM, after which it raises
     `preemption.Preempted`.
@@ -214,27 +214,26 @@ class Backup(keras.callbacks.BackupAndRestore):
     records the steps done in the epoch as well, and `fit` starts that epoch
     there. An epoch's last step is saved at the epoch's end, after its
     evaluations, as under Keras 2. Only the task that checkpoints writes
-    (MultiWorkerMirrored: worker 0); every worker reads.
+    (MultiWorkerMirrored: worker 0); every worker reads. Which steps are due a
+    save is Keras' count (its `save_freq`), which steps_per_execution > 1 makes
+    one short at an epoch's start.
     """
 
     def __init__(self, backup_dir: str, every_steps: int = 0):
-        super().__init__(backup_dir, save_freq=every_steps or "epoch", double_checkpoint=True)
-        self.sigterm = preemption.Sigterm()
+        keras.callbacks.BackupAndRestore.__init__(
+            self, backup_dir, save_freq=every_steps or "epoch", double_checkpoint=True)
+        backups.Backup.__init__(self, backup_dir, every_steps)
         self.steps_done = 0  # in the epoch of the backup restored
-        self._steps_now = 0  # in the epoch running
-        self._handler = None
 
     def on_train_begin(self, logs=None):
         super().on_train_begin(logs)  # restores the backup, if there is one
-        self.sigterm.install()
         # MultiWorkerMirrored: the workers agree on the step to save at, as under
         # Keras 2. TensorFlow's handler restores a step counter of its own from a
         # checkpoint manager, and saves only through `save`: an empty checkpoint,
         # never written, gives every worker the same counter (0) in each run.
-        self._handler = preemption.mwms_handler(
-            self.model.distribute_strategy,
-            tf.train.CheckpointManager(tf.train.Checkpoint(), self.backup_dir, max_to_keep=1),
-            save=self._save_model, sigterm=self.sigterm, stop=self._stop)
+        self.listen(self.model.distribute_strategy,
+                    tf.train.CheckpointManager(tf.train.Checkpoint(), self.backup_dir,
+                                               max_to_keep=1))
 
     def _load_model(self):
         super()._load_model()
@@ -246,39 +245,29 @@ class Backup(keras.callbacks.BackupAndRestore):
             set_seed_states(self.model, metadata.get(SEED_STATES))
 
     def on_train_batch_end(self, batch, logs=None):
-        self._steps_now = batch + 1
-        if self._steps_now >= self.params["steps"]:
+        self.at(self._current_epoch, batch + 1)
+        if self.step >= self.params["steps"]:
             return  # the epoch's last step: saved at the epoch's end
         super().on_train_batch_end(batch, logs)  # saves every `every_steps`
-        if self._handler is not None:  # saves and stops at the step all workers agree on
-            self._handler.save_checkpoint_if_preempted()
-        elif self.sigterm.requested():
-            self._save_model()
-            self._stop()
+        self.stop_if_asked()
 
     def on_epoch_end(self, epoch, logs=None):
-        self._steps_now = 0
+        self.at(epoch + 1, 0)  # Keras' `_current_epoch` from here on
         super().on_epoch_end(epoch, logs)  # saves if every_steps is 0
         if self.save_freq != "epoch":
-            self._save_model()
-        if self._handler is None and self.sigterm.requested():
-            self._stop()
+            self.save()
+        self.stop_if_saved_and_asked()
 
     def on_train_end(self, logs=None):
         if self._writes():
             super().on_train_end(logs)  # deletes the backup
-        if self._handler is not None:
-            preemption.close_mwms_handler(self._handler)
-        self.sigterm.uninstall()
-
-    def _stop(self) -> None:
-        self.sigterm.ignore()
-        log.warning("SIGTERM: backup of epoch %d, step %d saved; stopping",
-                    self._current_epoch + 1, self._steps_now)
-        raise preemption.preempted(self.backup_dir)
+        self.close()
 
     def _writes(self) -> bool:
         return self.model.distribute_strategy.extended.should_checkpoint
+
+    def save(self) -> None:
+        self._save_model()
 
     def _save_model(self):
         if not self._writes():
@@ -286,7 +275,7 @@ class Backup(keras.callbacks.BackupAndRestore):
         super()._save_model()
         with tf.io.gfile.GFile(self._training_metadata_path) as f:
             metadata = json.load(f)
-        metadata[STEPS_DONE] = self._steps_now
+        metadata[STEPS_DONE] = self.step
         metadata[SEED_STATES] = seed_states(self.model)
         with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
             f.write(json.dumps(metadata))

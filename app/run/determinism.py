@@ -8,7 +8,7 @@ its steps depend on is either in the backup or made again the same way:
 - the initial weights: from `train.seed` (`dialects.set_random_seed`);
 - the random layers' generators (dropout masks): Keras 3 keeps each in a variable
   (`SeedGenerator`), and `dialects.keras3.Backup` saves it; Keras 2 does so only
-  with `use_variable_rng`, and `callbacks.Backup` saves it. Without it, Keras 2's
+  with `use_variable_rng`, and `dialects.keras2_backup.Backup` saves it. Without it, Keras 2's
   dropout uses TF1's stateful random ops, whose state lives in the op's kernel and
   starts over in the resumed process;
 - the kernels: TensorFlow's deterministic ones (`enable_op_determinism`), so that the

@@ -229,7 +229,7 @@ def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int
         backup: SyncBackup | None = None) -> tuple[keras.callbacks.History, dict]:
     """Train `epochs` x `steps_per_epoch` synchronous updates; Keras callbacks (and
     its progress bar, by `verbose` as in fit()) run as in fit(). With `backup`, an
-    interrupted run goes on from it, and it is saved as `callbacks.Backup` saves
+    interrupted run goes on from it, and it is saved as `keras2_backup.Backup` saves
     fit()'s: at each epoch's end, every `backup.every_steps` steps, and after
     SIGTERM, when fit() raises `preemption.Preempted`.
 
