@@ -8,7 +8,6 @@ loop on the ClusterCoordinator (`app.dialects.keras3_ps`).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import pathlib
@@ -203,7 +202,7 @@ def variables(model: keras.Model, optimizer) -> list:
     return [tf_variable(v) for v in [*model.variables, *optimizer.variables]]
 
 
-class Backup(keras.callbacks.BackupAndRestore, backups.Backup):
+class Backup(keras3_internal.BackupAndRestore, backups.Backup):
     """Keras 3's BackupAndRestore in <workdir>/backup: saved at each epoch's end, every
     `every_steps` steps, and at the first step after SIGTERM, after which it raises
     `preemption.Preempted`.
@@ -220,7 +219,7 @@ class Backup(keras.callbacks.BackupAndRestore, backups.Backup):
     """
 
     def __init__(self, backup_dir: str, every_steps: int = 0):
-        keras.callbacks.BackupAndRestore.__init__(
+        keras3_internal.BackupAndRestore.__init__(
             self, backup_dir, save_freq=every_steps or "epoch", double_checkpoint=True)
         backups.Backup.__init__(self, backup_dir, every_steps)
         self.steps_done = 0  # in the epoch of the backup restored
@@ -235,17 +234,13 @@ class Backup(keras.callbacks.BackupAndRestore, backups.Backup):
                     tf.train.CheckpointManager(tf.train.Checkpoint(), self.backup_dir,
                                                max_to_keep=1))
 
-    def _load_model(self):
-        super()._load_model()
-        if tf.io.gfile.exists(self._training_metadata_path):
-            with tf.io.gfile.GFile(self._training_metadata_path) as f:
-                metadata = json.load(f)
-            self.steps_done = metadata.get(STEPS_DONE, 0)
-            self._last_batch_seen = max(self.steps_done - 1, 0)
-            set_seed_states(self.model, metadata.get(SEED_STATES))
+    def restored(self, metadata: dict) -> None:
+        self.steps_done = metadata.get(STEPS_DONE, 0)
+        self.resume_after_batch(max(self.steps_done - 1, 0))
+        set_seed_states(self.model, metadata.get(SEED_STATES))
 
     def on_train_batch_end(self, batch, logs=None):
-        self.at(self._current_epoch, batch + 1)
+        self.at(self.current_epoch, batch + 1)
         if self.step >= self.params["steps"]:
             return  # the epoch's last step: saved at the epoch's end
         super().on_train_batch_end(batch, logs)  # saves every `every_steps`
@@ -267,19 +262,11 @@ class Backup(keras.callbacks.BackupAndRestore, backups.Backup):
         return self.model.distribute_strategy.extended.should_checkpoint
 
     def save(self) -> None:
-        self._save_model()
+        self.save_now()
 
-    def _save_model(self):
-        if not self._writes():
-            return
-        super()._save_model()
-        with tf.io.gfile.GFile(self._training_metadata_path) as f:
-            metadata = json.load(f)
+    def saving(self, metadata: dict) -> None:
         metadata[STEPS_DONE] = self.step
         metadata[SEED_STATES] = seed_states(self.model)
-        with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
-            f.write(json.dumps(metadata))
-        self._batches_seen_since_last_saving = 0  # the next, every_steps from this one
 
 
 # The backup's record of the steps done in its epoch (beside Keras' "epoch", "batch").

@@ -31,17 +31,23 @@ and these. Each says why the public API does not suffice and what fails if it mo
   `keras3_slots` makes restorable into another number of shards
   (tests/test_resume_shards.py).
 
-Not here: the private members the backups read (`keras3.Backup`,
-`coordinated.LoopBackup`), which are being merged into one backup.
+- `BackupAndRestore`: Keras 3's callback with its private hooks named: the restore
+  and the save of its metadata file, the epoch it is in, the batch it resumes
+  after. Keras 3 restores the epoch only; `keras3.Backup` records the step within
+  it and the random generators' states beside Keras' own record. If they move, a
+  resumed Keras 3 run repeats its epoch's first steps (tests/test_sigterm.py,
+  tests/test_preemption.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import keras
+import tensorflow as tf
 from keras.src.backend.common import stateless_scope as _stateless_scope
 from keras.src.backend.tensorflow import core as _tf_core
 from keras.src.backend.tensorflow import numpy as _tf_numpy
@@ -204,3 +210,51 @@ class VariableOver(keras.Variable):
 
     def _initialize_with_initializer(self, initializer):
         self._value = self._storage
+
+
+# -- backup -----------------------------------------------------------------------------
+
+class BackupAndRestore(keras.callbacks.BackupAndRestore):
+    """Keras 3.15's BackupAndRestore, whose restore and save a subclass extends through
+    `restored(metadata)` and `saving(metadata)`: its metadata file's contents (a dict,
+    Keras' "epoch" and "batch" among them), read after Keras' restore and written after
+    Keras' save. Only a task for which `_writes()` is true saves."""
+
+    def _load_model(self):
+        super()._load_model()
+        if tf.io.gfile.exists(self._training_metadata_path):
+            with tf.io.gfile.GFile(self._training_metadata_path) as f:
+                self.restored(json.load(f))
+
+    def _save_model(self):
+        if not self._writes():
+            return
+        super()._save_model()
+        with tf.io.gfile.GFile(self._training_metadata_path) as f:
+            metadata = json.load(f)
+        self.saving(metadata)
+        with tf.io.gfile.GFile(self._training_metadata_path, "w") as f:
+            f.write(json.dumps(metadata))
+        self._batches_seen_since_last_saving = 0  # the next, every_steps from this one
+
+    def restored(self, metadata: dict) -> None:
+        """After a restore: what the backup's metadata holds."""
+
+    def saving(self, metadata: dict) -> None:
+        """After a save: add to the metadata Keras wrote, which is then written back."""
+
+    def _writes(self) -> bool:
+        return True
+
+    def save_now(self) -> None:
+        """Save at once, as Keras does when a save is due."""
+        self._save_model()
+
+    @property
+    def current_epoch(self) -> int:
+        """The epoch Keras is in (from 0), as its restore set it."""
+        return self._current_epoch
+
+    def resume_after_batch(self, batch: int) -> None:
+        """Make fit() go on after `batch` of the restored epoch (Keras restores 0)."""
+        self._last_batch_seen = batch
