@@ -61,6 +61,24 @@ def test_sigterm_saves_at_the_next_step_and_the_rerun_goes_on_from_there(
 
 
 @pytest.mark.parametrize("keras", KERASES)
+def test_a_run_preempted_again_in_the_epoch_it_resumed_goes_on_from_its_second_backup(
+        keras, tmp_path, tiny_datasets, monkeypatch):
+    # The second backup is saved by a run that has ended no epoch of its own: it must
+    # still record the epoch it resumed in, not the first.
+    config = _config(*KERASES[keras])
+    for stop_at in ((1, 4), (1, 10)):
+        attach(monkeypatch, Probe(stop_at=stop_at, how="sigterm"))
+        with pytest.raises(preemption.Preempted):
+            _run(config, tmp_path, tiny_datasets)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    probe = attach(monkeypatch, Probe())
+    metrics = _run(config, tmp_path, tiny_datasets)
+    assert probe.seen[0] == (1, 12)
+    assert metrics["steps"] == 3 * STEPS
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("keras", KERASES)
 @pytest.mark.parametrize("every_steps, resumed_at", [(4, (1, 8)), (0, (1, 0))])
 def test_a_crashed_run_loses_at_most_every_steps(keras, every_steps, resumed_at, tmp_path,
                                                  tiny_datasets, monkeypatch):

@@ -224,7 +224,12 @@ class BackupAndRestore(keras.callbacks.BackupAndRestore):
         super()._load_model()
         if tf.io.gfile.exists(self._training_metadata_path):
             with tf.io.gfile.GFile(self._training_metadata_path) as f:
-                self.restored(json.load(f))
+                metadata = json.load(f)
+            # Keras 3.15 restores the epoch into the model's first epoch only: its own
+            # count stays 0 until an epoch ends, and a save before then records epoch 0
+            # (a run preempted again in the epoch it resumed would start over).
+            self._current_epoch = metadata["epoch"]
+            self.restored(metadata)
 
     def _save_model(self):
         if not self._writes():
