@@ -1,20 +1,9 @@
-"""A config's model built on paper: where its variables would live on N ps tasks,
-and the bytes each ps task would send and receive per training step, without a
-cluster (`python -m tools.plan` prints it; `launch.local` checks it first).
-
-The model and optimizer are built locally while every variable creation is
-recorded in order; ParameterServerStrategy's rules are then applied to that
-order: each variable (each shard of a partitioned one) goes to the next ps task
-round-robin, and optimizer slots sit with their variable. A test checks the
-prediction against the placement of a real in-process cluster.
-
-Per step, a worker reads every trainable variable from its ps task and sends a
-gradient of the same size back (half the size with ps.compression = fp16);
-optimizer slots never leave the ps. A variable the task reads by lookup (an
-embedding table, `Task.lookup_rows`) moves only the rows a batch of
-train.global_batch_size looks up, and the ids of those rows with them.
-`step_time_bound` turns those bytes into a lower bound on a step's time over
-links of a given rate; `allreduce_bytes` is MultiWorkerMirrored's counterpart.
+"""A config's model built on paper (`build`), without a cluster: where its variables
+would live on N ps tasks and the bytes each ps task would send and receive per
+training step (`place`, `Traffic`); `step_time_bound` and `allreduce_bytes` turn
+bytes into the least time a step can take. `python -m tools.plan` prints it (its
+docstring says how the prediction is made); `launch.local` and the evaluator's
+memory check (`planning.memory`) use it before anything starts.
 """
 
 from __future__ import annotations
