@@ -28,14 +28,22 @@ import dataclasses
 import importlib
 import os
 import sys
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import tensorflow as tf
-import tf_keras as keras
 
 from app import config as cfg
 from app import indexed
 from app.config import ConfigError, field  # noqa: F401 (re-exported for task authors)
+
+if TYPE_CHECKING:  # a task builds with either Keras: app.dialects finds which
+    import keras
+    import tf_keras
+
+    Model = keras.Model | tf_keras.Model
+    Loss = keras.losses.Loss | tf_keras.losses.Loss
+    Metric = keras.metrics.Metric | tf_keras.metrics.Metric
+    Optimizer = keras.optimizers.Optimizer | tf_keras.optimizers.Optimizer
 
 BUILTIN = {"mnist": "app.tasks.mnist:Mnist",
            "recommender": "app.tasks.recommender:Recommender"}
@@ -63,7 +71,7 @@ class Task:
 
     # -- what a task must give ------------------------------------------------------------
 
-    def build_model(self) -> keras.Model:
+    def build_model(self) -> Model:
         """The model, taking the raw features the datasets yield. (Must implement.)"""
         raise NotImplementedError(f"{type(self).__name__}.build_model")
 
@@ -85,20 +93,20 @@ class Task:
         None when the task has no such split. (Must implement.)"""
         raise NotImplementedError(f"{type(self).__name__}.eval_dataset")
 
-    def loss(self) -> keras.losses.Loss | dict[str, Any]:
+    def loss(self) -> Loss | dict[str, Any]:
         """The training loss, averaged over a batch; for a model of several outputs,
         a dict of losses by output name. (Must implement.)"""
         raise NotImplementedError(f"{type(self).__name__}.loss")
 
     # -- what a task may change -----------------------------------------------------------
 
-    def metrics(self) -> list[keras.metrics.Metric] | dict[str, Any]:
+    def metrics(self) -> list[Metric] | dict[str, Any]:
         """New metric objects for training and evaluation (named; called more than once);
         for a model of several outputs, a dict of them by output name, as
         `Model.compile(metrics=...)` takes."""
         return []
 
-    def weighted_metrics(self) -> list[keras.metrics.Metric] | dict[str, Any] | None:
+    def weighted_metrics(self) -> list[Metric] | dict[str, Any] | None:
         """Metrics weighted by the sample weights the datasets yield (as
         `Model.compile(weighted_metrics=...)` takes), or None."""
         return None
@@ -125,11 +133,11 @@ class Task:
         """Examples in `split`, for metrics.json (None: not known without a pass)."""
         return None
 
-    def optimizer(self, learning_rate: Any) -> keras.optimizers.Optimizer | None:
+    def optimizer(self, learning_rate: Any) -> Optimizer | None:
         """The optimizer to train with, or None for the one `train.optimizer` configures."""
         return None
 
-    def serving_model(self, model: keras.Model) -> keras.Model:
+    def serving_model(self, model: Model) -> Model:
         """The model to export: it must take raw input (preprocessing inside)."""
         return model
 
@@ -141,7 +149,7 @@ class Task:
         `tools.plan` predicts parameter-server traffic with it."""
         return None
 
-    def report(self, model: keras.Model, test: dict[str, float]) -> dict[str, Any]:
+    def report(self, model: Model, test: dict[str, float]) -> dict[str, Any]:
         """Figures of the task's own for metrics.json, given the trained model and its
         test results (e.g. the best score its data allows)."""
         return {}

@@ -25,7 +25,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import tensorflow as tf
-import tf_keras as keras
 
 # Shards per worker: more balance the work (a shard is the unit a worker takes),
 # fewer read less (each shard's pipeline reads the whole split and keeps every n-th batch).
@@ -34,10 +33,11 @@ SHARDS_PER_WORKER = 2
 Evaluate = Callable[[tf.data.Dataset], dict[str, float]]
 
 
-def evaluator(model: keras.Model, coordinator: tf.distribute.coordinator.ClusterCoordinator,
+def evaluator(model, coordinator: tf.distribute.coordinator.ClusterCoordinator,
               num_workers: int, parallel: bool = True) -> Evaluate:
     """evaluate(dataset) -> {"loss": ..., metric: ...}: every batch of the finite,
-    batched `dataset` once, on the workers; with `parallel` False, on one worker at a
+    batched `dataset` once, on the workers, through `model`'s own test step (a compiled
+    model of either Keras); with `parallel` False, on one worker at a
     time (for metrics whose updates two workers must not make at once)."""
     return _ShardedTestStep(model, coordinator,
                             SHARDS_PER_WORKER * num_workers if parallel else 1)
