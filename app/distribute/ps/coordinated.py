@@ -104,7 +104,7 @@ def _by_iterator(train, coordinator, dataset_fn) -> Callable[[int], Any]:
 
     @tf.function
     def step(iterator):
-        return strategy.run(train, args=(next(iterator),))
+        strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
 
     return lambda _: coordinator.schedule(step, args=(iterator,))
 
@@ -124,7 +124,7 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
         if with_worker:
             worker = tf.distribute.coordinator.experimental_get_current_worker_index()
             batch = (*batch, tf.cast(worker, tf.int32))
-        return strategy.run(train, args=(batch,))
+        strategy.run(train, args=(batch,))  # nothing returned: see _epochs
 
     return lambda k: coordinator.schedule(step, args=(tf.constant(k, tf.int64), loaded))
 
@@ -132,7 +132,11 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
 # Steps scheduled ahead of the oldest one still running, per worker: enough to keep
 # every worker busy. The coordinator's queue takes 262,144, so without a bound a whole
 # epoch is scheduled at once and a SIGTERM is heard only at its end, when the grace
-# period a scheduler gives (30 s in Kubernetes) may be long over.
+# period a scheduler gives (30 s in Kubernetes) may be long over. The loop waits for
+# the oldest step with `RemoteValue.fetch`, which copies the step's outputs from its
+# worker: a worker that died after its step had run would fail that copy, out of the
+# coordinator's recovery (UnavailableError on the chief). So a step returns nothing;
+# the epoch's metrics are read from their variables, on the ps tasks.
 AHEAD_PER_WORKER = 4
 
 
