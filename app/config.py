@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tomllib
 import typing
 from collections.abc import Mapping
 from typing import Any
-
-import tomllib
 
 # The smallest runtime.memory_limit_gib: TensorFlow's import alone holds 0.6 GiB
 # resident (app/cluster/memory.py), and a task builds a model and a batch besides.
