@@ -51,7 +51,7 @@ def field(default: Any, *, choices: tuple[str, ...] = (), minimum: float | None 
 class TaskConfig:
     """What to train: the task, and its own parameters as the other keys of `[task]`."""
 
-    # A built-in task ("mnist") or an import path "package.module:ClassName"
+    # A built-in task ("mnist", "recommender") or an import path "package.module:ClassName"
     # (app/task.py), found from the current directory and PYTHONPATH.
     name: str = "mnist"
     # The other keys of [task]: the task's own parameters, checked by its Params
@@ -355,8 +355,8 @@ def validate(config: Config) -> None:
                           "-m app.distribute.data_service dispatcher`, or to \"\" to read input "
                           "in the trainers")
     if not config.task.name:
-        raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
-                          "path like 'my_package.my_module:MyTask'")
+        raise ConfigError("task.name is empty; name a built-in task (e.g. mnist) or an "
+                          "import path like 'my_package.my_module:MyTask'")
 
 
 def check_section(name: str, values: Any) -> None:
