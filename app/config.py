@@ -130,7 +130,7 @@ class TrainConfig:
     # state the backup holds (other numbers than without it; Keras 3's layers
     # always keep theirs there). Without it a resumed Keras 2 run draws its first
     # steps' dropout masks again. Refused under parameter servers (updates arrive
-    # in no fixed order). docs/launching.md, "Resuming bit for bit".
+    # in no fixed order). docs/restarts.md, "Resuming bit for bit".
     deterministic: bool = False
     # Keras verbosity: "auto" shows a progress bar on a terminal.
     verbose: str = field("auto", choices=("auto", "0", "1", "2"))
