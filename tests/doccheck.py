@@ -858,9 +858,15 @@ def pages_of(root: Path) -> dict[str, str]:
     return pages
 
 
+@functools.cache
+def code_of(root: Path) -> Code:
+    """The code at `root`, read once per process (it does not change under a test run)."""
+    return Code(root)
+
+
 def check(root: Path, pages: dict[str, str] | None = None) -> list[str]:
     """The problems of `pages` (by default the project's own) against the code at `root`."""
-    checker = Checker(Code(root), pages_of(root) if pages is None else pages)
+    checker = Checker(code_of(root), pages_of(root) if pages is None else pages)
     if pages is None:
         checker.helps()
     return checker.run()
