@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
+import os
 import re
 import shlex
 import signal
@@ -187,12 +188,24 @@ class Code:
                 raise Captured(parser, known)
             return parse
 
-        with mock.patch.object(argparse.ArgumentParser, "parse_args", capture(False)), \
-                mock.patch.object(argparse.ArgumentParser, "parse_known_args", capture(True)):
-            try:
+        # A script may set environment variables and sys.path as it is imported (the
+        # recommender's turn oneDNN on before importing TensorFlow): put both back, and
+        # import TensorFlow first, as the process's other tests would, so that no
+        # setting of a script's outlives this look at its parser.
+        environ, path = dict(os.environ), list(sys.path)
+        try:
+            if module.startswith("examples."):
+                importlib.import_module("tensorflow")
+            with mock.patch.object(argparse.ArgumentParser, "parse_args", capture(False)), \
+                    mock.patch.object(argparse.ArgumentParser, "parse_known_args",
+                                      capture(True)):
                 importlib.import_module(module).main()
-            except Captured as e:
-                return e.args
+        except Captured as e:
+            return e.args
+        finally:
+            os.environ.clear()
+            os.environ.update(environ)
+            sys.path[:] = path
         raise AssertionError(f"{module}.main() did not parse its arguments")
 
     # --- config ---------------------------------------------------------------------------
