@@ -13,7 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-import portpicker
+from launch.ports import Ports
 
 STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
 
@@ -85,14 +85,15 @@ def steps_reported(output: str, task: str) -> list[int]:
 def run_workers(*args: str, timeout: float = 300) -> list[str]:
     """`python ARGS` as both tasks of a 2-worker TF_CONFIG cluster, at once; their
     outputs, each checked to have exited 0."""
-    workers = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
-    procs = []
-    for i in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    with Ports() as ports:  # held until both have run (launch/ports.py)
+        workers = ports.addresses("localhost", 2)
+        procs = []
+        for i in range(2):
+            tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+            env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+            procs.append(subprocess.Popen([sys.executable, *args], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-5000:]
     return outputs

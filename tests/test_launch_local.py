@@ -3,6 +3,7 @@ one worker SIGKILLed mid-epoch; the chief finishes the run on the other."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -189,3 +190,41 @@ def test_a_chief_refusing_a_finished_workdir_stops_every_task_with_its_reason(tm
                 ) in output, output[-3000:]
         assert f"[launch] {task} exited with 2" in output
     assert "resume from the chief's backup" not in output
+
+
+def test_every_port_handed_to_a_task_is_held_until_the_launcher_exits(monkeypatch):
+    # A task's server binds its port seconds after the pick, and a task relaunched
+    # alone binds it again: in between nothing else may take it (launch/ports.py).
+    given = set()
+
+    class Started:  # stands for a task's process: records its cluster, starts nothing
+        def __init__(self, job, index, spec, args, hear=None):
+            given.update(a for addresses in spec.values() for a in addresses)
+            given.update(f"localhost:{args[i + 1]}" for i, flag in enumerate(args)
+                         if flag == "--port")
+
+    def run_cluster(args, train_args):
+        local.start_tasks(args, train_args)
+        assert len(given) == 7  # chief, 2 workers, ps, evaluator; dispatcher, tf.data worker
+        for address in given:
+            with pytest.raises(OSError, match="Address already in use"):
+                bind_plainly(int(address.rpartition(":")[2]))
+        return 0, False
+
+    monkeypatch.setattr(local, "Process", Started)
+    monkeypatch.setattr(local, "DataProcess", Started)
+    monkeypatch.setattr(local, "run_cluster", run_cluster)
+    assert local.main(["--workers", "2", "--ps", "1", "--evaluator", "--data-workers", "1",
+                       "--workdir", "unused"]) == 0
+    for address in given:  # released with the launcher
+        bind_plainly(int(address.rpartition(":")[2])).close()
+
+
+def bind_plainly(port: int) -> socket.socket:
+    s = socket.socket()
+    try:
+        s.bind(("", port))
+    except OSError:
+        s.close()
+        raise
+    return s

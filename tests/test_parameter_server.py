@@ -29,10 +29,12 @@ from app.distribute.ps import server as parameter_server
 from app.distribute.ps import variables as ps_variables
 from app.planning import model as plan
 from app.run import runners
-from launch import inprocess
+from launch.ports import Ports
 from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.cluster
+# The serve tests' servers stay until this process exits, and so do their ports.
+_PORTS = Ports()
 
 
 def config(*overrides: str) -> cfg.Config:
@@ -221,9 +223,9 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
     chief = socket.socket()
     chief.bind(("localhost", 0))
     chief.listen()
-    free = inprocess.portpicker.pick_unused_port
-    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"], "ps": [f"localhost:{free()}"],
-            "worker": [f"localhost:{free()}"]}
+    # Held for the test process's life, as its servers are (launch/ports.py).
+    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"],
+            "ps": _PORTS.addresses("localhost", 1), "worker": _PORTS.addresses("localhost", 1)}
     if not chief_up:  # a chief that never connected: its port is free
         chief.close()
     task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
