@@ -179,16 +179,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if task == "serve":
             serve(cluster, config)
+        workdir = args.workdir or workdirs.default_path()
+        workdirs.refuse_finished(workdir)  # at once: a chief's ps and workers wait for it
         from app import task as tasks  # TensorFlow starts here (and the task's own code).
 
         task, config = tasks.create(config)
-        workdir = workdirs.prepare(args.workdir or workdirs.default_path(), config)
+        workdirs.check(workdir, config)  # before connecting; written once all is checked
         log.info("workdir %s", workdir)
 
         from app import strategy, trainer
 
         strategy.configure_runtime(config.runtime)
-        metrics = trainer.run(config, workdir, task=task, cluster=cluster)
+        metrics = trainer.run(config, workdir, task=task, cluster=cluster, prepare=True)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return failed(cluster, config, 2, str(e))

@@ -85,6 +85,9 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in result.stderr
+    # A mistake in the config or the cluster is found before anything is written; the
+    # tf.data service's are found when the input is first read.
+    assert (tmp_path / "w").exists() == ("data.service" in message), message
 
 
 def test_a_failed_export_ends_a_trained_run_with_one_line_and_exit_6(tmp_path):
