@@ -8,6 +8,7 @@ config, reads the cluster, dispatches on this task's role and calls
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import json
 import logging
@@ -40,6 +41,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strategy", help="same as --set runtime.strategy=NAME: auto, default, "
                         "mirrored, multi_worker_mirrored or parameter_server")
     return parser.parse_args(argv)
+
+
+def check_strategy(name: str | None) -> None:
+    """`--strategy NAME`, refused in the words the user typed (it sets runtime.strategy,
+    whose own check would name the field instead)."""
+    names = cfg.choices(cfg.RuntimeConfig, "strategy")
+    if name is not None and name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        raise cfg.ConfigError(f"--strategy {name!r} is not one of {', '.join(names)}"
+                              + (f"; did you mean --strategy {close[0]}?" if close else ""))
 
 
 def setup_logging(label: str) -> None:
@@ -154,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
     label, cluster, config, lost_code = "local", None, None, 0
     try:
+        check_strategy(args.strategy)
         config = cfg.load(args.config, overrides)
         cluster = clusters.read()
         pool = pooled_allocator(config.runtime, cluster)
