@@ -9,9 +9,10 @@ there are no ps (synchronous training). When the lead succeeds the others end by
 themselves; when it fails they are stopped. Under parameter servers a worker
 that dies early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
-after any exit code but 2 (a configuration or storage error) and 5 (a task out
-of its memory limit, `--memory-limit-gib`, app/cluster/memory.py): 203 is a lost
-task, 204 a preemption whose backup was saved (app/cluster/preemption.py). With
+after any exit code but 2 (a configuration or storage error), 5 (a task out of
+its memory limit, `--memory-limit-gib`, app/cluster/memory.py) and 6 (a trained
+run whose export failed), which would fail again: 203 is a lost task, 204 a
+preemption whose backup was saved (app/cluster/preemption.py). With
 `--restart task` only the failed task is relaunched (each up to `--max-restarts`
 times, 3 unless given), as Kubernetes restarts one pod (launch/processes.py),
 and the others keep running. SIGTERM to the launcher itself (a scheduler
@@ -71,6 +72,7 @@ from launch.processes import (
     announce,
     exit_text,
     grace,
+    not_retried,
     restart_alone,
     stop_data,
 )
@@ -318,11 +320,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="parameter servers (0: synchronous training, workers only)")
     parser.add_argument("--evaluator", action="store_true",
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
-    parser.add_argument("--max-restarts", type=int,
-                        help="relaunch up to N times after a failure (any exit code but 2, "
-                             "a configuration or storage error, and 5, out of memory); "
-                             "training resumes from the workdir's backup. Default: 0 with "
-                             "--restart job, 3 with --restart task")
+    parser.add_argument("--max-restarts", type=int, metavar="N",
+                        help="relaunch up to N times after a failure, whatever its exit code "
+                             f"but {not_retried()}, which would fail again; training resumes "
+                             "from the workdir's backup. Default: 0 with --restart job, 3 "
+                             "with --restart task")
     parser.add_argument("--restart", choices=("job", "task"), default="job",
                         help="what a failure relaunches: every task (job, like torchrun; the "
                              "default) or the failed task alone, with its TF_CONFIG and port "

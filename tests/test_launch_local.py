@@ -78,8 +78,11 @@ def test_thread_settings_share_the_cores_unless_chosen():
     ([PREEMPTED, 0], 2, 0),        # preempted with the backup saved: relaunched, resumes
     ([LOST, PREEMPTED, LOST], 3, LOST),  # lost tasks: relaunched until --max-restarts runs out
     ([2], 1, 2),         # a configuration or storage error would fail again
+    ([5], 1, 5),         # out of the memory limit again
+    ([6], 1, 6),         # a trained run whose export failed: its export would fail again
 ])
-def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, result):
+def test_max_restarts_relaunches_all_but_the_codes_that_would_fail_again(monkeypatch, codes,
+                                                                         calls, result):
     returned = iter(codes)
     seen = []
     monkeypatch.setattr(local, "run_cluster",
@@ -88,6 +91,17 @@ def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, 
     assert len(seen) == calls
     assert local.exit_text(204) == "204 (preempted, backup saved)"
     assert local.exit_text(203) == "203 (a task was lost)" and local.exit_text(-9) == "-9"
+
+
+def test_the_help_names_every_exit_code_that_is_not_retried(capsys):
+    with pytest.raises(SystemExit):
+        local.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert ("relaunch up to N times after a failure, whatever its exit code but 2 "
+            "(configuration or storage error), 5 (out of its memory limit, "
+            "runtime.memory_limit_gib) and 6 (trained, but the export failed), which would "
+            "fail again") in shown
+    assert processes.NOT_RETRIED == (0, 2, 5, 6)  # the help is made from it
 
 
 def test_a_partition_cuts_the_first_attempt_only(monkeypatch):
