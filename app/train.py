@@ -111,8 +111,10 @@ def pooled_allocator(runtime: cfg.RuntimeConfig, cluster: clusters.Cluster | Non
     return not (runtime.memory_limit_gib and cluster and cluster.task_type == "ps")
 
 
-def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
-    """A ps or worker task of a parameter-server cluster: serve the chief, then exit."""
+def serve(cluster: clusters.Cluster, config: cfg.Config,
+          workdir: pathlib.Path | None) -> typing.NoReturn:
+    """A ps or worker task of a parameter-server cluster: serve the chief, then exit
+    (0 once the chief has finished: it said so, or `workdir` holds the finished run)."""
     # TensorFlow starts here, after all checks.
     from app.cluster import preemption
     from app.distribute.ps import server as parameter_server
@@ -122,7 +124,8 @@ def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     # come back) or Preempted (SIGTERM), exit codes schedulers retry.
     try:
         parameter_server.serve(cluster, config.runtime,
-                               wait_s=config.cluster.connect_timeout_s, stopping=stopping)
+                               wait_s=config.cluster.connect_timeout_s, stopping=stopping,
+                               finished=lambda: workdir is not None and workdirs.finished(workdir))
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         exit_now(e.exit_code)
@@ -190,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0
         if task == "serve":
-            serve(cluster, config)
+            serve(cluster, config, args.workdir)
         workdir = args.workdir or workdirs.default_path()
         workdirs.refuse_finished(workdir)  # at once: a chief's ps and workers wait for it
         from app import task as tasks  # TensorFlow starts here (and the task's own code).

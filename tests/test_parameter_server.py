@@ -215,8 +215,8 @@ class Said(logging.Handler):
                 lambda: any(line.startswith(start) for line in self.lines), timeout_s), self.lines
 
 
-def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True
-                    ) -> tuple[socket.socket, dict, threading.Event]:
+def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True,
+                    finished=lambda: False) -> tuple[socket.socket, dict, threading.Event]:
     """A listening socket standing for the chief (closed already unless `chief_up`), and
     `serve` of task `job`:0 in a thread; (the chief, what serve raised as {"error": ...},
     the task's cluster and what it logged ("said": `Said`), set when it ends)."""
@@ -238,7 +238,7 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
     def run():
         try:
             parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1,
-                                   stopping=stopping)
+                                   stopping=stopping, finished=finished)
         except clusters.TaskLost as e:
             outcome["error"] = e
         finally:
@@ -262,6 +262,26 @@ def test_a_task_serves_until_the_chief_has_finished_not_merely_left():
         f.write("finished")
     assert done.wait(timeout=HANG_S) and "error" not in outcome
     assert not os.path.exists(outcome["marker"])  # not left for the next job on this port
+
+
+def test_a_task_the_finished_chief_could_not_tell_finds_the_run_finished_in_its_workdir(
+        tmp_path):
+    # The chief wrote metrics.json, then its mark could not reach this task (a process
+    # restarted on its port, which the chief's TensorFlow did not know).
+    finished = tmp_path / "metrics.json"
+    chief, outcome, done = serve_in_thread("worker", wait_s=60, finished=finished.exists)
+    outcome["said"].wait_for("the chief is up")
+    finished.write_text("{}")
+    chief.close()
+    assert done.wait(timeout=HANG_S) and "error" not in outcome
+    outcome["said"].wait_for("the chief has gone and the run has finished")
+
+
+def test_a_task_started_after_the_chief_finished_stops_with_the_run():
+    # Relaunched as the chief finished: no chief ever seen, no mark, and the run finished.
+    chief, outcome, done = serve_in_thread("worker", wait_s=60, chief_up=False,
+                                           finished=lambda: True)
+    assert done.wait(timeout=HANG_S) and "error" not in outcome
 
 
 def test_a_task_whose_chief_does_not_come_back_exits_with_a_retried_code():
