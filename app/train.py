@@ -116,14 +116,13 @@ def serve(cluster: clusters.Cluster, config: cfg.Config,
     """A ps or worker task of a parameter-server cluster: serve the chief, then exit
     (0 once the chief has finished: it said so, or `workdir` holds the finished run)."""
     # TensorFlow starts here, after all checks.
-    from app.cluster import preemption
-    from app.distribute.ps import server as parameter_server
+    from app.cluster import preemption, serving
 
     stopping = preemption.outlive_the_chief()  # SIGTERM: until the chief has gone
     # Returns once the chief has finished; raises TaskLost (a chief that does not
     # come back) or Preempted (SIGTERM), exit codes schedulers retry.
     try:
-        parameter_server.serve(cluster, config.runtime,
+        serving.serve(cluster, config.runtime,
                                wait_s=config.cluster.connect_timeout_s, stopping=stopping,
                                finished=lambda: workdir is not None and workdirs.finished(workdir))
     except clusters.TaskLost as e:

@@ -39,7 +39,7 @@ def start_servers(spec: dict[str, list[str]]) -> None:
     """Start every ps and worker server of `spec` in this process."""
     import tensorflow as tf
 
-    from app.distribute.ps.server import start_server
+    from app.cluster.serving import start_server
 
     cluster = tf.train.ClusterSpec(spec)
     for job in ("ps", "worker"):

@@ -5,7 +5,7 @@ mean, and `--restart task`, which relaunches a failed task alone.
 under `restartPolicy: ExitCode`: the same command, the same TF_CONFIG and so the
 same port, while the other tasks keep running. It needs parameter servers: a
 restarted chief reconnects to the ps and workers that kept serving
-(`app.distribute.ps.server.serve` waits for a chief that left without finishing)
+(`app.cluster.serving.serve` waits for a chief that left without finishing)
 and resumes from the backup; a restarted worker is taken back by the chief's
 ClusterCoordinator; a lost ps fails the chief (its variables are gone), which
 is then restarted too and resumes from the backup.

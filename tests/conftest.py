@@ -103,9 +103,7 @@ def ps_cluster() -> Iterator[clusters.Cluster]:
 
 @pytest.fixture(scope="session")
 def ps_strategy(ps_cluster):
-    from app.distribute.ps import server as parameter_server
-
-    return parameter_server.create(ps_cluster, cfg.PSConfig(), connect_timeout_s=30)
+    return strategy.parameter_server(ps_cluster, cfg.PSConfig(), connect_timeout_s=30)
 
 
 def one_device_reduction_mirrored() -> tf.distribute.MirroredStrategy:

@@ -1,5 +1,6 @@
 """The pages checked against the code: every command, flag, config key, path, exit code and
-code name that README.md and docs/*.md (and the commands in configs/ and examples/) state.
+code name that README.md and docs/*.md (and the commands in configs/, examples/ and
+experiments/) state.
 
 `check(root)` returns the problems, each `page:line: what is wrong`; tests/test_docs.py
 runs it on this project and on small pages with one defect each. Run by hand,
@@ -46,7 +47,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
-PACKAGES = ("app", "launch", "tools", "tests", "examples")
+PACKAGES = ("app", "launch", "tools", "tests", "examples", "experiments")
 EXTENSIONS = ("py", "toml", "json", "md", "yaml", "yml", "png", "sbatch", "txt", "keras", "conf",
               "log", "sh")
 # Flags of other programs that the pages name (sbatch, srun, unshare, pytest, the classic
@@ -194,7 +195,7 @@ class Code:
         # setting of a script's outlives this look at its parser.
         environ, path = dict(os.environ), list(sys.path)
         try:
-            if module.startswith("examples."):
+            if module.startswith(("examples.", "experiments.")):
                 importlib.import_module("tensorflow")
             with mock.patch.object(argparse.ArgumentParser, "parse_args", capture(False)), \
                     mock.patch.object(argparse.ArgumentParser, "parse_known_args",
@@ -645,7 +646,7 @@ class Checker:
         flag = words[0].partition("=")[0]
         known = set(EXTERNAL_FLAGS)
         for module in self.code.modules:
-            if module.split(".")[0] in ("app", "launch", "tools", "examples") \
+            if module.split(".")[0] in ("app", "launch", "tools", "examples", "experiments") \
                     and self.cli(module):
                 known |= every_option(self.code.parser(module)[0])
         if flag not in known:
@@ -853,15 +854,18 @@ def is_pathlike(span: str) -> bool:
 
 
 def pages_of(root: Path) -> dict[str, str]:
-    """README.md, docs/*.md, and the comments of configs/ and examples/ as code lines."""
+    """README.md, docs/*.md, and the comments of configs/, examples/ and experiments/ as
+    code lines."""
     pages = {"README.md": (root / "README.md").read_text()}
     pages |= {p.relative_to(root).as_posix(): p.read_text()
               for p in sorted((root / "docs").glob("*.md"))}
     for path in sorted((root / "configs").glob("*.toml")) + sorted(
-            (root / "examples").glob("*.toml")) + sorted((root / "examples").glob("*.py")):
+            (root / "examples").glob("*.toml")) + sorted((root / "examples").glob("*.py")) + sorted(
+            (root / "experiments").glob("*.py")):
         commands, text = [], path.read_text().splitlines()
         for number, line in enumerate(text):
-            found = re.search(r"(python3? (-m [\w.]+|examples/\S+\.py)|\bmake [\w-]+)[^`]*", line)
+            found = re.search(
+                r"(python3? (-m [\w.]+|(?:examples|experiments)/\S+\.py)|\bmake [\w-]+)[^`]*", line)
             if found:
                 command = re.split(r"\(or\b", found[0])[0].rstrip().rstrip(")")
                 rest = iter(text[number + 1:])

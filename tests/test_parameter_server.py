@@ -22,13 +22,12 @@ import zoo
 
 from app import config as cfg
 from app import trainer
-from app.cluster import chief_failure, markers
+from app.cluster import chief_failure, markers, serving
 from app.cluster import tf_config as clusters
 from app.dialects import keras2
-from app.distribute.ps import server as parameter_server
 from app.distribute.ps import variables as ps_variables
 from app.planning import model as plan
-from app.run import runners
+from app.run import optimizers, runners
 from launch.ports import Ports
 from tests.conftest import tiny_task
 
@@ -138,7 +137,7 @@ def test_fp16_push_casts_on_the_worker_and_back_on_the_ps(ps_strategy):
         v = tf.Variable([0.0, 0.0])
         settings = config("ps.compression=fp16", "train.optimizer=sgd",
                           "train.lr_schedule=constant", "train.learning_rate=1.0")
-        optimizer = trainer.optimizer(settings, tiny_task(settings), steps_per_epoch=1,
+        optimizer = optimizers.optimizer(settings, tiny_task(settings), steps_per_epoch=1,
                                       dialect=keras2)
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(ps_strategy)
 
@@ -194,7 +193,7 @@ HANG_S = 120
 
 
 class Said(logging.Handler):
-    """What `parameter_server.serve` logs in one thread, which a test can wait for: the
+    """What `serving.serve` logs in one thread, which a test can wait for: the
     serve loop's own account of what it has seen, where a fixed sleep would guess."""
 
     def __init__(self, thread_name: str):
@@ -230,14 +229,14 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
         chief.close()
     task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
     said = Said(f"serve-{spec[job][0]}")
-    logger = logging.getLogger(parameter_server.__name__)
+    logger = logging.getLogger(serving.__name__)
     logger.addHandler(said)
     logger.setLevel(logging.INFO)
     outcome, done = {"cluster": task, "said": said}, threading.Event()
 
     def run():
         try:
-            parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1,
+            serving.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1,
                                    stopping=stopping, finished=finished)
         except clusters.TaskLost as e:
             outcome["error"] = e

@@ -41,9 +41,9 @@ import argparse
 import sys
 
 from app import config as cfg
-from app.cluster.memory import human_size
 from app.planning import memory as plan_memory
 from app.planning.model import Traffic, allreduce_bytes, build, link_loads, place, step_time_bound
+from app.units import human_size
 
 
 def print_bound(traffic: Traffic, num_workers: int, link_text: str, rate_bits: float) -> None:

@@ -191,11 +191,3 @@ def message(error: BaseException, label: str, gib: float) -> str:
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (the kernel's VmHWM)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def human_size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return ""

@@ -142,7 +142,7 @@ def outlive_the_chief() -> Callable[[], bool]:
     returns whether it came.
 
     These tasks stop by themselves once the chief has gone
-    (`app.distribute.ps.server.serve`). When a whole job is asked to stop (SLURM's
+    (`app.cluster.serving.serve`). When a whole job is asked to stop (SLURM's
     time limit, a node drain), dying at once would take with them the
     variables (ps) and the steps in flight (workers) that the chief's backup
     needs; the chief saves, exits, and they follow with `EXIT_CODE`, so that

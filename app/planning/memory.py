@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 from app import config as cfg
 from app.cluster import memory
-from app.cluster.memory import human_size
+from app.units import human_size
 
 # A step's tensors over its layers' outputs. Fitted: the workers of
 # configs/recommender_large.toml peaked at 976 and 1011 MiB evaluating batches

@@ -403,7 +403,7 @@ class AsyncPS(SingleHost):
     def finish(self, outdir, workdir):
         super().finish(outdir, workdir)
         # Last, after metrics.json: the ps and worker tasks stop only once told, as a
-        # chief that merely went away is waited for (app.distribute.ps.server.serve).
+        # chief that merely went away is waited for (app.cluster.serving.serve).
         markers.tell_finished(self.cluster)
 
     def metrics(self, model):

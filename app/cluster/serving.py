@@ -1,11 +1,10 @@
-"""Parameter-server training's servers: the strategy the chief connects with, and
-the ps and worker tasks that serve it.
+"""A ps or worker task's life in a parameter-server cluster: its TF server, started in
+its own process, serving the chief until the chief says that it has finished, or that
+it failed for good (app/cluster/markers.py), and the exit codes of a task whose chief
+does not come back (203) or that is asked to stop (204).
 
-`create` gives the chief a `ParameterServerStrategy` with a variable
-partitioner (`variables.partitioner`), after checking that every `ps` and
-`worker` task answers within `cluster.connect_timeout_s`. `serve` runs a ps or
-worker task until the chief says that it has finished, or that it failed for
-good (app/cluster/markers.py).
+The chief's side, the strategy that connects to these servers, is
+`app.strategy.parameter_server`.
 """
 
 from __future__ import annotations
@@ -20,18 +19,10 @@ import tensorflow as tf
 
 from app.cluster import chief_failure, preemption
 from app.cluster.markers import FAILED, finished_marker
-from app.cluster.tf_config import Cluster, TaskLost, wait_for_tasks
-from app.config import PSConfig, RuntimeConfig
-from app.distribute.ps.variables import partitioner
+from app.cluster.tf_config import Cluster, TaskLost
+from app.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
-
-
-def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
-    """The chief's strategy, once every ps and worker task answers."""
-    wait_for_tasks(cluster, connect_timeout_s, jobs=("ps", "worker"))
-    return tf.distribute.ParameterServerStrategy(
-        cluster.resolver(), variable_partitioner=partitioner(ps, cluster.num_ps))
 
 
 def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
