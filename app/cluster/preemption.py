@@ -8,10 +8,12 @@ backups themselves are written by the subclasses of `app.state.backup.Backup`
 (Keras' fit, the loop on a coordinator, ps.mode = sync); this module holds the
 signal side.
 
-Exit codes of `python -m app.train`: 0 done, 2 a configuration or storage
-mistake (retrying cannot help), 203 a lost task (`tf_config.TaskLost`), 204
-preempted with the backup saved. Launchers retry 203 and 204, and so does
-Kubeflow's `restartPolicy: ExitCode` (it retries 128..255 only).
+Exit codes of `python -m app.train` (docs/troubleshooting.md has the table): 0 done,
+1 an error the code does not anticipate (a traceback), 2 a configuration or storage
+mistake, 5 out of `runtime.memory_limit_gib`, 6 the export failed, 203 a lost task
+(`tf_config.TaskLost`), 204 preempted with the backup saved. Retrying cannot help 2,
+5 or 6; launchers retry the others, and Kubeflow's `restartPolicy: ExitCode` retries
+203 and 204 (it retries 128..255 only).
 """
 
 from __future__ import annotations
