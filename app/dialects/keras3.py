@@ -315,12 +315,15 @@ def tensorboard(log_dir: pathlib.Path):
 def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
         steps_per_epoch: int, verbose) -> keras.callbacks.History:
     """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`; a
-    resumed run starts its first epoch at the step after its backup's."""
+    resumed run starts its first epoch at the step after its backup's, and every
+    epoch runs its steps exactly (`keras3_internal.exact_epochs`: one step a call
+    with several replicas, where Keras 3.15's multi-step loop fails)."""
     keras3_internal.reduce_logs_first_under_multi_worker()
     dataset = strategy.distribute_datasets_from_function(
         dataset_fn, options=strategies.input_options(strategy))
     backup_ = next((cb for cb in callbacks_ if isinstance(cb, Backup)), None)
-    with keras3_internal.first_epoch_from(lambda: backup_.steps_done if backup_ else 0):
+    stepwise = model.steps_per_execution > 1 and strategy.num_replicas_in_sync > 1
+    with keras3_internal.exact_epochs(lambda: backup_.steps_done if backup_ else 0, stepwise):
         return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                          callbacks=callbacks_, verbose=verbose, shuffle=False)
 
