@@ -92,6 +92,34 @@ def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
     check(metrics, tmp_path, keras, source)
 
 
+@pytest.mark.cluster
+def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster, tmp_path,
+                                                        monkeypatch):
+    # The numbered task counts each example's visits on the ps: 2 epochs of 32 steps at 5
+    # a closure (the last of an epoch 2) visit each of its 512 examples twice.
+    from app.distribute.ps import coordinated
+
+    closures, by_index = [], coordinated._by_index
+
+    def recorded(*args, **kwargs):
+        schedule = by_index(*args, **kwargs)
+
+        def record(first: int, count: int):
+            closures.append((first, count))
+            return schedule(first, count)
+        return record
+
+    monkeypatch.setattr(coordinated, "_by_index", recorded)
+    config = cfg.load(None, ["task.name=tests.numbered:IndexedNumbered", "task.examples=512",
+                             "train.epochs=2", "train.global_batch_size=16", "train.verbose=0",
+                             "train.steps_per_execution=5"])
+    metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster)
+    assert closures == [(epoch * 32 + step, min(5, 32 - step))
+                        for epoch in range(2) for step in range(0, 32, 5)]
+    assert metrics["steps"] == 64
+    assert (metrics["visits_min"], metrics["visits_max"]) == (2, 2)
+
+
 @pytest.mark.slow
 def test_multi_worker_mirrored(tmp_path):
     from tests.launching import run_workers
