@@ -232,6 +232,13 @@ class PSConfig:
     # bytes of every push (the variables are still read as float32).
     # "none": float32 both ways.
     compression: str = field("none", choices=("none", "fp16"))
+    # In async mode with train.steps_per_execution = k > 1, in the project's loop
+    # (a task read by index, any Keras 3 task): each scheduled closure reads the
+    # model's variables from the ps tasks once, for its k steps (a table's lookups
+    # are still made each step), and each step's gradient is of the weights as the
+    # closure began: up to k - 1 of the worker's own updates behind, beside the
+    # other workers'. false: every step reads them.
+    read_once: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -120,6 +120,59 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster,
     assert (metrics["visits_min"], metrics["visits_max"]) == (2, 2)
 
 
+@pytest.mark.cluster
+@pytest.mark.parametrize("once", [True, False])
+def test_a_closure_reading_once_takes_each_steps_gradient_at_the_weights_it_read(
+        once, ps_strategy):
+    # Three SGD steps with momentum in one closure on a worker. Read once, each step's
+    # gradient is the one at the weights the closure began with, and the momentum (a
+    # slot, on the ps) still goes on from step to step; read every step, the usual steps.
+    import contextlib
+
+    import tf_keras
+
+    from app import tf_internal
+
+    x, y = tf.constant([[1.0, 2.0], [3.0, -1.0]]), tf.constant([1.0, 0.5])
+
+    def model():
+        return tf_keras.optimizers.SGD(0.1, momentum=0.9), tf.Variable([1.0, -2.0])
+
+    def step(w, optimizer):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.linalg.matvec(x, w) - y) ** 2)
+        optimizer.apply_gradients(zip(tape.gradient(loss, [w]), [w], strict=True))
+
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
+    with ps_strategy.scope():
+        optimizer, w = model()
+        optimizer.build([w])
+
+    @tf.function
+    def closure():
+        with tf_internal.read_once([w]) if once else contextlib.nullcontext():
+            for _ in tf.range(3):
+                ps_strategy.run(step, args=(w, optimizer))
+
+    coordinator.schedule(closure)
+    coordinator.join()
+    expected = {}
+    for kind in (True, False):  # the same three steps in this process
+        local_optimizer, local = model()
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.linalg.matvec(x, local) - y) ** 2)
+        first = tape.gradient(loss, local)
+        for _ in range(3):
+            if kind:
+                local_optimizer.apply_gradients([(first, local)])
+            else:
+                step(local, local_optimizer)
+        expected[kind] = local.numpy()
+    assert np.abs(expected[True] - expected[False]).max() > 0.1  # the two differ
+    np.testing.assert_allclose(w.numpy(), expected[once], rtol=1e-6)
+    assert int(optimizer.iterations.numpy()) == 3
+
+
 @pytest.mark.slow
 def test_multi_worker_mirrored(tmp_path):
     from tests.launching import run_workers

@@ -375,7 +375,8 @@ class AsyncPS(SingleHost):
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
             self.config.checkpoint.every_steps, reading=self.reading,
             with_worker=self.straggler is not None, workers=self._workers,
-            steps_per_execution=self.config.train.steps_per_execution)
+            steps_per_execution=self.config.train.steps_per_execution,
+            read_once=self.config.ps.read_once)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import pathlib
 from collections.abc import Callable
@@ -29,7 +30,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import indexed
+from app import indexed, tf_internal
 from app.state import backup as backups
 
 log = logging.getLogger(__name__)
@@ -71,7 +72,8 @@ class LoopBackup(backups.Backup):
 def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
-        with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1):
+        with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
+        read_once: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
     step), `steps_per_execution` of them in each closure scheduled on a free worker
     (fewer at an epoch's end), each batch read by index (`reading`) or from the
@@ -79,12 +81,15 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     see what they see under tf_keras' fit with a coordinator: a batch ends when it is
     scheduled (the last step of a closure), an epoch once all of its steps have run.
     `with_worker`: the batch also carries the index of the worker that trains on it (a
-    straggler's train step needs it). `workers`: how many there are."""
+    straggler's train step needs it). `workers`: how many there are. `read_once`: the
+    model's variables a closure reads from the ps tasks once, for all its steps
+    (`tf_internal.read_once`)."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
-    schedule = (_by_index(train, coordinator, *reading, with_worker) if reading
-                else _by_iterator(train, coordinator, dataset_fn))
+    once = _reading_once(read_once if steps_per_execution > 1 else None)
+    schedule = (_by_index(train, coordinator, *reading, with_worker, once) if reading
+                else _by_iterator(train, coordinator, dataset_fn, once))
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
@@ -106,22 +111,30 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     return history
 
 
-def _by_iterator(train, coordinator, dataset_fn) -> Schedule:
+def _reading_once(variables: list | None) -> Callable[[], Any]:
+    """What a closure's function is traced within: `variables` read once in it."""
+    if not variables:
+        return contextlib.nullcontext
+    return functools.partial(tf_internal.read_once, variables)
+
+
+def _by_iterator(train, coordinator, dataset_fn, once) -> Schedule:
     strategy = coordinator.strategy
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn)))
 
     @tf.function
     def steps(iterator, count):
-        for _ in tf.range(count):
-            strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
+        with once():
+            for _ in tf.range(count):
+                strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
 
     return lambda first, count: coordinator.schedule(
         steps, args=(iterator, tf.constant(count, tf.int64)))
 
 
 def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
-              with_worker: bool) -> Schedule:
+              with_worker: bool, once) -> Schedule:
     strategy = coordinator.strategy
     # What `source.read` reads from, made once on each worker: a per-worker iterator
     # whose every element is the same, so it has no position to lose.
@@ -131,12 +144,13 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
     @tf.function
     def steps(first, count, loaded):
         data = None if loaded is None else next(loaded)
-        for i in tf.range(count):
-            batch = indexed.batch(source, order, data, first + i)
-            if with_worker:
-                worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-                batch = (*batch, tf.cast(worker, tf.int32))
-            strategy.run(train, args=(batch,))  # nothing returned: see _epochs
+        with once():
+            for i in tf.range(count):
+                batch = indexed.batch(source, order, data, first + i)
+                if with_worker:
+                    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+                    batch = (*batch, tf.cast(worker, tf.int32))
+                strategy.run(train, args=(batch,))  # nothing returned: see _epochs
 
     return lambda first, count: coordinator.schedule(
         steps, args=(tf.constant(first, tf.int64), tf.constant(count, tf.int64), loaded))
