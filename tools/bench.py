@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
@@ -105,6 +106,12 @@ ROWS: dict[str, Row] = {
     "defaults": _at_defaults("one process, default strategy", _BASELINE),
     "mwms_2w_defaults": _at_defaults("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
     "ps_2w2p_defaults": _at_defaults("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "mwms_2w_fp16_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
+        _ps(2, 0, "sync.compression=fp16")),
+    "mwms_2w_threads2_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes of 2 intra-op threads each",
+        _ps(2, 0, "runtime.intra_op_threads=2")),
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
     "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
@@ -439,14 +446,18 @@ def main(argv: list[str] | None = None) -> int:
     host = bench_report.machine()
     command = " ".join(["python -m tools.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
+    # The machine is shared: how loaded it was, as `uptime` says, when the rows ran.
+    load = {"date": datetime.date.today().isoformat(),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory() as tmp:
         results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+    load["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     for error in failed.values():
         print(f"error: {error}", file=sys.stderr)
     if not results:
         return 1
     add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
-    report = {"command": command, "machine": host, "steps": args.steps,
+    report = {"command": command, "machine": host, **load, "steps": args.steps,
               "repeats": args.repeats, **({"links": links} if links != [None] else {}),
               "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
