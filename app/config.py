@@ -233,12 +233,13 @@ class PSConfig:
     # "none": float32 both ways.
     compression: str = field("none", choices=("none", "fp16"))
     # In async mode with train.steps_per_execution = k > 1, in the project's loop
-    # (a task read by index, any Keras 3 task): each scheduled closure reads the
-    # model's variables from the ps tasks once, for its k steps (a table's lookups
-    # are still made each step), and each step's gradient is of the weights as the
-    # closure began: up to k - 1 of the worker's own updates behind, beside the
-    # other workers'. false: every step reads them.
-    read_once: bool = True
+    # (a task read by index, any Keras 3 task): true reads the model's variables
+    # from the ps tasks once per scheduled closure, for its k steps (a table's
+    # lookups are still made each step): fewer bytes, but each step's gradient is of
+    # the weights as the closure began, up to k - 1 of the worker's own updates
+    # behind, beside the other workers' (MNIST at batch 32, k = 8: 2.3 points less
+    # test accuracy after one epoch, docs/benchmarks.md). false: every step reads them.
+    read_once: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,9 +14,18 @@ from tools import profile_ps
     ("while/body/_1/while/Adam/ResourceApplyAdam_4:ResourceApplyAdam", "the optimizer's update"),
     ("while/body/_1/while/RandomIndexShuffle:RandomIndexShuffle",
      "reading the batch, loss and metrics"),
+    ("Adam/CollectiveReduceV2:CollectiveReduceV2", "the all-reduce"),
 ])
 def test_each_op_is_counted_by_what_it_does(name, kind):
     assert profile_ps.op_kind(name, "cnn") == kind
+
+
+def test_a_traces_closures_are_its_training_functions_calls():
+    events = [("t", "EagerLocalExecute: __inference_steps_995", 10, 5),
+              ("t", "EagerLocalExecute: __inference_train_function_12", 1, 3),
+              ("t", "EagerLocalExecute: __inference_test_function_7", 30, 9),
+              ("t", "while/cnn/dense/MatMul:MatMul", 11, 1)]
+    assert profile_ps.closures(events) == [(1, 3), (10, 5)]
 
 
 def test_op_time_per_step_is_summed_by_kind_and_leaves_out_calls():

@@ -129,11 +129,11 @@ ROWS: dict[str, Row] = {
     "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
     # Several steps per scheduled closure (train.steps_per_execution): one scheduling round
     # trip per 8 steps. Their ratio is to the baseline at one step a call, as every row's.
-    "ps_2w2p_spe8": Row("ps_2w2p, 8 steps per closure (train.steps_per_execution=8), "
-                        "the variables read once per closure (ps.read_once, the default)",
+    "ps_2w2p_spe8": Row("ps_2w2p, 8 steps per closure (train.steps_per_execution=8)",
                         _ps(2, 2, "train.steps_per_execution=8")),
-    "ps_2w2p_spe8_every": Row("ps_2w2p_spe8, the variables read every step (ps.read_once=false)",
-                              _ps(2, 2, "train.steps_per_execution=8", "ps.read_once=false")),
+    "ps_2w2p_spe8_once": Row("ps_2w2p_spe8, the variables read once per closure "
+                             "(ps.read_once=true)",
+                             _ps(2, 2, "train.steps_per_execution=8", "ps.read_once=true")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",

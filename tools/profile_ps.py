@@ -1,4 +1,4 @@
-"""`python -m tools.profile_ps`: where a parameter-server step's time goes.
+"""`python -m tools.profile_ps`: where a parameter-server (or MultiWorkerMirrored) step's time goes.
 
 Runs the bench's parameter-server row (chief + 2 workers + 2 ps under `launch.local`,
 the bench's plain settings, synthetic MNIST read by index, global batch 32 unless
@@ -15,6 +15,10 @@ sums what each traced task did, per training step:
   optimizer), and the transfers to and from the ps tasks (`_Send`, `_Recv`);
 - ps 0: its ops' time by kind (the optimizer's apply, the variables it sends).
 
+With `--ps 0` the cluster is MultiWorkerMirrored: worker 0 and worker 1 are traced,
+each's train function calls counted as its closures, and its collective ops as the
+all-reduce.
+
 Op times are summed over a task's threads, so they can exceed the wall time when
 ops run side by side. Beside them, each task's CPU milliseconds per step (from
 /proc, between two of the chief's step lines `--warmup` steps apart, after the
@@ -22,6 +26,7 @@ trace). The traces stay in `--workdir`/trace for TensorBoard's profile plugin.
 
     python -m tools.profile_ps --out docs/results/profile_ps_b32.json
     python -m tools.profile_ps --set train.steps_per_execution=8 --out ...
+    python -m tools.profile_ps --ps 0 --config configs/mnist_sync.toml --out ...
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ import sys
 
 from tools import bench, bench_report, procstat
 
-STEP = re.compile(r"\[chief:0\] INFO step (\d+)$")
+STEP = re.compile(r"\[(chief:0|worker:0)\] INFO step (\d+)$")
 # The transfers between tasks: a variable read from a ps task, a gradient sent to one.
 TRANSFERS = ("_Send", "_Recv", "_HostSend", "_HostRecv")
 # Events named like ops that are not: a function's call, an input copied to a device.
@@ -76,7 +81,7 @@ def launch(args: argparse.Namespace) -> subprocess.Popen:
 def wait_for_step(launcher: subprocess.Popen, step: int, log: list[str]) -> None:
     for line in launcher.stdout:
         log.append(line)
-        if (m := STEP.match(line.rstrip("\n"))) and int(m[1]) >= step:
+        if (m := STEP.match(line.rstrip("\n"))) and int(m[2]) >= step:
             return
     raise RuntimeError("the cluster ended before the trace:\n" + "".join(log[-40:]))
 
@@ -109,6 +114,8 @@ def op_kind(name: str, model: str) -> str:
     scope, _, kind = name.rpartition(":")
     if kind in TRANSFERS:
         return "transfers to and from other tasks"
+    if kind.startswith("Collective"):
+        return "the all-reduce"
     if "/Adam/" in scope or kind.startswith("ResourceApply"):
         return "the optimizer's update"
     if f"/{model}/" in scope or "gradient_tape/" in scope:
@@ -132,10 +139,15 @@ def events(plane) -> list[tuple[str, str, int, int]]:
             for line in plane.lines for e in line.events]
 
 
-def closures(evs: list[tuple[str, str, int, int]], prefix: str) -> list[tuple[int, int]]:
-    """(start, duration) of each closure run: the events named `prefix` + a function."""
+# The functions whose calls are a task's closures: the project's loop's, Keras' fit's.
+CLOSURES = ("__inference_steps", "__inference_train_function",
+            "__inference_multi_step_on_iterator", "__inference_one_step_on_data")
+
+
+def closures(evs: list[tuple[str, str, int, int]]) -> list[tuple[int, int]]:
+    """(start, duration) of each closure run on a task: its function's local execution."""
     return sorted((start, dur) for _, name, start, dur in evs
-                  if name.startswith(prefix) and "__inference_steps" in name)
+                  if name.startswith("EagerLocalExecute: ") and any(c in name for c in CLOSURES))
 
 
 def summarize(trace_dir: pathlib.Path, found: dict[str, tuple[int, str]], model: str,
@@ -147,21 +159,30 @@ def summarize(trace_dir: pathlib.Path, found: dict[str, tuple[int, str]], model:
         host, port = found[task][1].rsplit(":", 1)
         return read_space(spaces[f"{host}_{port}"])
 
-    chief = events(plane_of("chief:0"))
-    # The coordinator's threads, each in a closure's remote call ("steps" is its name).
-    calls = [dur for _, name, _, dur in chief if name == "steps"]
-    steps = len(calls) * per_closure
-    figures: dict = {"window_s": seconds, "closures": len(calls), "steps": steps,
-                     "steps_per_closure": per_closure,
-                     "chief": {"closure_call_ms": _mean_ms(calls)}}
-    worker = events(plane_of("worker:0"))
-    runs = closures(worker, "EagerLocalExecute: ")
-    gaps = [b[0] - (a[0] + a[1]) for a, b in zip(runs, runs[1:], strict=False)]
-    figures["worker:0"] = {"closures": len(runs), "closure_ms": _mean_ms([d for _, d in runs]),
-                           "between_closures_ms": _mean_ms(gaps),
-                           "ops_ms_per_step": _by_kind(worker, model, len(runs) * per_closure)}
-    figures["ps:0"] = {"ops_ms_per_step": _by_kind(events(plane_of("ps:0")), model, steps)}
+    figures: dict = {"window_s": seconds, "steps_per_closure": per_closure}
+    if "chief:0" in found:
+        # The coordinator's threads, each in a closure's remote call ("steps" is its name).
+        calls = [dur for _, name, _, dur in events(plane_of("chief:0")) if name == "steps"]
+        figures["steps"] = len(calls) * per_closure
+        figures["chief"] = {"closures": len(calls), "closure_call_ms": _mean_ms(calls)}
+    for task in traced(found)[1:] if "chief:0" in found else traced(found):
+        evs = events(plane_of(task))
+        runs = closures(evs)
+        steps = len(runs) * per_closure
+        figures.setdefault("steps", steps)  # MultiWorkerMirrored: every worker runs each
+        gaps = [b[0] - (a[0] + a[1]) for a, b in zip(runs, runs[1:], strict=False)]
+        figures[task] = {"closures": len(runs), "closure_ms": _mean_ms([d for _, d in runs]),
+                         "between_closures_ms": _mean_ms(gaps),
+                         "ops_ms_per_step": _by_kind(evs, model, steps if runs else
+                                                     figures["steps"])}
     return figures
+
+
+def traced(found: dict[str, tuple[int, str]]) -> list[str]:
+    """The tasks a trace covers: the chief, worker 0 and ps 0; or both workers of a
+    MultiWorkerMirrored cluster."""
+    return (["chief:0", "worker:0", "ps:0"] if "chief:0" in found
+            else ["worker:0", "worker:1"])
 
 
 def _mean_ms(durations_ps: list[int]) -> float:
@@ -198,7 +219,7 @@ def _next_step(launcher: subprocess.Popen, log: list[str]) -> int:
     for line in launcher.stdout:
         log.append(line)
         if m := STEP.match(line.rstrip("\n")):
-            return int(m[1])
+            return int(m[2])
     raise RuntimeError("the cluster ended early:\n" + "".join(log[-40:]))
 
 
@@ -216,8 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_for_step(launcher, args.warmup, log)
         found = tasks(launcher.pid)
-        trace([found[t][1] for t in ("chief:0", "worker:0", "ps:0")], args.workdir / "trace",
-              args.seconds)
+        trace([found[t][1] for t in traced(found)], args.workdir / "trace", args.seconds)
         cpu = cpu_per_step(launcher, found, args.warmup, log)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)  # its own session: the whole cluster
