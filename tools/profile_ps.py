@@ -67,9 +67,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def launch(args: argparse.Namespace) -> subprocess.Popen:
-    """The cluster, training far more steps than the trace needs, logging every 50."""
+    """The cluster, training far more steps than the trace needs (epochs without end
+    over a task's examples, if it has fewer), logging every 10."""
     steps = args.warmup * 20
-    train = bench.train_args(args.config, [*args.set, "debug.log_every_steps=50"], steps)
+    train = [*bench.train_args(args.config, [*args.set, "debug.log_every_steps=10"], steps),
+             "--set", "train.epochs=1000"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     return subprocess.Popen(
         [sys.executable, "-u", "-m", "launch.local", "--workers", str(args.workers),
