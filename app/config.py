@@ -232,14 +232,14 @@ class PSConfig:
     # bytes of every push (the variables are still read as float32).
     # "none": float32 both ways.
     compression: str = field("none", choices=("none", "fp16"))
-    # In async mode with train.steps_per_execution = k > 1, in the project's loop
-    # (a task read by index, any Keras 3 task): true reads the model's variables
-    # from the ps tasks once per scheduled closure, for its k steps (a table's
-    # lookups are still made each step): fewer bytes, but each step's gradient is of
-    # the weights as the closure began, up to k - 1 of the worker's own updates
-    # behind, beside the other workers' (MNIST at batch 32, k = 8: 2.3 points less
-    # test accuracy after one epoch, docs/benchmarks.md). false: every step reads them.
-    read_once: bool = False
+    # In async mode, in the project's loop (a task read by index, any Keras 3 task):
+    # the steps of a scheduled closure (train.steps_per_execution) read the model's
+    # variables from the ps tasks once every `read_every` of them (a table's lookups
+    # are still made each step). 1: every step reads them. m > 1: fewer bytes, but a
+    # step's gradient is of the weights as they were up to m - 1 of the worker's own
+    # updates before, beside the other workers' (MNIST at batch 32, read once per
+    # closure of 8: 2.3 points less test accuracy after one epoch, docs/benchmarks.md).
+    read_every: int = field(1, above=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,8 +28,8 @@ these, only this module breaks, and only the runs that use it:
 - `read_once`: ParameterServerStrategy's cached variable reads
   (`distribute_utils.cache_variable_reads`, `ps_values.CachingVariable`), made to
   read the model's variables once per closure of several steps and to keep their
-  gradients (`ps.read_once`). If they move, such closures fail to trace
-  (tests/test_steps_per_execution.py); the public way is `ps.read_once = false`.
+  gradients (`ps.read_every`). If they move, such closures fail to trace
+  (tests/test_steps_per_execution.py); the public way is `ps.read_every = 1`.
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ def read_once(variables: list) -> Iterator[None]:
     None. Here the scope is entered with `CachingVariable.cached_read_value` replaced
     to cache only `variables`, in the closure's graph, and to record each read for
     the tapes. If these move, the first closure of a run with
-    train.steps_per_execution > 1 and ps.read_once fails to trace
+    train.steps_per_execution > 1 and ps.read_every > 1 fails to trace
     (tests/test_steps_per_execution.py); the public way is to read every step."""
     global _read_once_state, _tf_cached_read_value
     from tensorflow.python.distribute import distribute_utils, ps_values

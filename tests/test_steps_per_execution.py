@@ -88,9 +88,10 @@ def test_one_host(kind, keras, source, tmp_path):
 @pytest.mark.cluster
 @pytest.mark.parametrize("keras,source", CASES)
 def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
-    # The closures of the project's loop read the variables once (ps.read_once): its
-    # gradients reach the variables in both Kerases' train steps.
-    metrics = train(keras, source, tmp_path, "ps.read_once=true", strategy=ps_strategy,
+    # The closures of the project's loop read the variables every 2 of their 3 steps
+    # (ps.read_every): those reads' gradients reach the variables in both Kerases'
+    # train steps.
+    metrics = train(keras, source, tmp_path, "ps.read_every=2", strategy=ps_strategy,
                     cluster=ps_cluster)
     check(metrics, tmp_path, keras, source)
 
@@ -124,55 +125,50 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster,
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("once", [True, False])
-def test_a_closure_reading_once_takes_each_steps_gradient_at_the_weights_it_read(
-        once, ps_strategy):
-    # Three SGD steps with momentum in one closure on a worker. Read once, each step's
-    # gradient is the one at the weights the closure began with, and the momentum (a
-    # slot, on the ps) still goes on from step to step; read every step, the usual steps.
-    import contextlib
-
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, ps_strategy):
+    # Three SGD steps with momentum in one closure on a worker, the variable read once
+    # every `every` steps (ps.read_every): each step's gradient is the one at the weights
+    # of the last read, and the momentum (a slot, on the ps) still goes on step by step.
     import tf_keras
 
-    from app import tf_internal
+    from app.distribute.ps import coordinated
 
     x, y = tf.constant([[1.0, 2.0], [3.0, -1.0]]), tf.constant([1.0, 0.5])
 
     def model():
         return tf_keras.optimizers.SGD(0.1, momentum=0.9), tf.Variable([1.0, -2.0])
 
-    def step(w, optimizer):
+    def gradient(w):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean((tf.linalg.matvec(x, w) - y) ** 2)
-        optimizer.apply_gradients(zip(tape.gradient(loss, [w]), [w], strict=True))
+        return tape.gradient(loss, [w])
 
     coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
     with ps_strategy.scope():
         optimizer, w = model()
         optimizer.build([w])
 
+    def step(_):
+        ps_strategy.run(lambda: optimizer.apply_gradients(zip(gradient(w), [w], strict=True)))
+
     @tf.function
     def closure():
-        with tf_internal.read_once([w]) if once else contextlib.nullcontext():
-            for _ in tf.range(3):
-                ps_strategy.run(step, args=(w, optimizer))
+        coordinated._loop(tf.constant(3), step, variables=[w], every=every)
 
     coordinator.schedule(closure)
     coordinator.join()
     expected = {}
-    for kind in (True, False):  # the same three steps in this process
+    for period in (1, 2, 3):  # the same three steps in this process
         local_optimizer, local = model()
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((tf.linalg.matvec(x, local) - y) ** 2)
-        first = tape.gradient(loss, local)
-        for _ in range(3):
-            if kind:
-                local_optimizer.apply_gradients([(first, local)])
-            else:
-                step(local, local_optimizer)
-        expected[kind] = local.numpy()
-    assert np.abs(expected[True] - expected[False]).max() > 0.1  # the two differ
-    np.testing.assert_allclose(w.numpy(), expected[once], rtol=1e-6)
+        for i in range(3):
+            if i % period == 0:
+                read = gradient(local)
+            local_optimizer.apply_gradients(zip(read, [local], strict=True))
+        expected[period] = local.numpy()
+    assert min(np.abs(expected[a] - expected[b]).max()
+               for a, b in ((1, 2), (2, 3), (1, 3))) > 0.01  # the three differ
+    np.testing.assert_allclose(w.numpy(), expected[every], rtol=1e-6)
     assert int(optimizer.iterations.numpy()) == 3
 
 

@@ -132,8 +132,10 @@ ROWS: dict[str, Row] = {
     "ps_2w2p_spe8": Row("ps_2w2p, 8 steps per closure (train.steps_per_execution=8)",
                         _ps(2, 2, "train.steps_per_execution=8")),
     "ps_2w2p_spe8_once": Row("ps_2w2p_spe8, the variables read once per closure "
-                             "(ps.read_once=true)",
-                             _ps(2, 2, "train.steps_per_execution=8", "ps.read_once=true")),
+                             "(ps.read_every=8)",
+                             _ps(2, 2, "train.steps_per_execution=8", "ps.read_every=8")),
+    "ps_2w2p_spe8_every2": Row("ps_2w2p_spe8, the variables read every 2 steps (ps.read_every=2)",
+                               _ps(2, 2, "train.steps_per_execution=8", "ps.read_every=2")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",

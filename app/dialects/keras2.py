@@ -146,7 +146,7 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1, steps_per_execution: int = 1, read_once: bool = False
+                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1
                     ) -> keras.callbacks.History:
     if reading is None:
         return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs,
@@ -155,7 +155,7 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, reading=reading, with_worker=with_worker,
                            workers=workers, steps_per_execution=steps_per_execution,
-                           read_once=model.trainable_variables if read_once else None,
+                           read_every=read_every, variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

@@ -376,7 +376,7 @@ class AsyncPS(SingleHost):
             self.config.checkpoint.every_steps, reading=self.reading,
             with_worker=self.straggler is not None, workers=self._workers,
             steps_per_execution=self.config.train.steps_per_execution,
-            read_once=self.config.ps.read_once)
+            read_every=self.config.ps.read_every)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is

@@ -73,7 +73,7 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
         with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
-        read_once: list | None = None):
+        read_every: int = 1, variables: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
     step), `steps_per_execution` of them in each closure scheduled on a free worker
     (fewer at an epoch's end), each batch read by index (`reading`) or from the
@@ -81,15 +81,16 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     see what they see under tf_keras' fit with a coordinator: a batch ends when it is
     scheduled (the last step of a closure), an epoch once all of its steps have run.
     `with_worker`: the batch also carries the index of the worker that trains on it (a
-    straggler's train step needs it). `workers`: how many there are. `read_once`: the
-    model's variables a closure reads from the ps tasks once, for all its steps
-    (`tf_internal.read_once`)."""
+    straggler's train step needs it). `workers`: how many there are. `variables`: the
+    model's, which a closure's steps read from the ps tasks once every `read_every`
+    of them (`tf_internal.read_once`)."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
-    once = _reading_once(read_once if steps_per_execution > 1 else None)
-    schedule = (_by_index(train, coordinator, *reading, with_worker, once) if reading
-                else _by_iterator(train, coordinator, dataset_fn, once))
+    loop = functools.partial(_loop, variables=variables,
+                             every=read_every if steps_per_execution > 1 else 1)
+    schedule = (_by_index(train, coordinator, *reading, with_worker, loop) if reading
+                else _by_iterator(train, coordinator, dataset_fn, loop))
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
@@ -111,30 +112,38 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     return history
 
 
-def _reading_once(variables: list | None) -> Callable[[], Any]:
-    """What a closure's function is traced within: `variables` read once in it."""
-    if not variables:
-        return contextlib.nullcontext
-    return functools.partial(tf_internal.read_once, variables)
+def _loop(count: tf.Tensor, step: Callable[[tf.Tensor], Any], variables: list | None,
+          every: int) -> None:
+    """`step(i)` for i in range(count), in a closure's traced function; with `every` >
+    1, in runs of `every` steps that each read `variables` from the ps tasks once."""
+    if every <= 1 or not variables:
+        for i in tf.range(count):
+            step(i)
+        return
+    for start in tf.range(0, count, every):
+        with tf_internal.read_once(variables):  # the reads: where this run begins
+            for i in tf.range(start, tf.minimum(start + every, count)):
+                step(i)
 
 
-def _by_iterator(train, coordinator, dataset_fn, once) -> Schedule:
+def _by_iterator(train, coordinator, dataset_fn, loop) -> Schedule:
     strategy = coordinator.strategy
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn)))
 
     @tf.function
     def steps(iterator, count):
-        with once():
-            for _ in tf.range(count):
-                strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
+        def step(_):
+            strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
+
+        loop(count, step)
 
     return lambda first, count: coordinator.schedule(
         steps, args=(iterator, tf.constant(count, tf.int64)))
 
 
 def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
-              with_worker: bool, once) -> Schedule:
+              with_worker: bool, loop) -> Schedule:
     strategy = coordinator.strategy
     # What `source.read` reads from, made once on each worker: a per-worker iterator
     # whose every element is the same, so it has no position to lose.
@@ -144,13 +153,15 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
     @tf.function
     def steps(first, count, loaded):
         data = None if loaded is None else next(loaded)
-        with once():
-            for i in tf.range(count):
-                batch = indexed.batch(source, order, data, first + i)
-                if with_worker:
-                    worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-                    batch = (*batch, tf.cast(worker, tf.int32))
-                strategy.run(train, args=(batch,))  # nothing returned: see _epochs
+
+        def step(i):
+            batch = indexed.batch(source, order, data, first + i)
+            if with_worker:
+                worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+                batch = (*batch, tf.cast(worker, tf.int32))
+            strategy.run(train, args=(batch,))  # nothing returned: see _epochs
+
+        loop(count, step)
 
     return lambda first, count: coordinator.schedule(
         steps, args=(tf.constant(first, tf.int64), tf.constant(count, tf.int64), loaded))
