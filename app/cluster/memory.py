@@ -183,7 +183,8 @@ def message(error: BaseException, label: str, gib: float) -> str:
     what = (f"allocating a tensor of shape [{tensor[1]}]" if tensor
             else f"{type(error).__name__} {str(error).strip()[:120]}".strip())
     return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
-            f"spread the tables (python -m tools.plan --memory-limit-gib {gib:g} says how many); "
+            f"spread the tables (python -m tools.plan --config <the run's config> "
+            f"--memory-limit-gib {gib:g} says how many); "
             f"exit code {EXIT_CODE}")
 
 
