@@ -242,8 +242,7 @@ class PSConfig:
     # variables from the ps tasks once every `read_every` of them (a table's lookups
     # are still made each step). 1: every step reads them. m > 1: fewer bytes, but a
     # step's gradient is of the weights as they were up to m - 1 of the worker's own
-    # updates before, beside the other workers' (MNIST at batch 32, read once per
-    # closure of 8: 2.3 points less test accuracy after one epoch, docs/benchmarks.md).
+    # updates before, beside the other workers' (docs/benchmarks.md).
     read_every: int = field(1, above=0)
 
 
