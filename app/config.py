@@ -118,7 +118,9 @@ class TrainConfig:
     lr_cycle_epochs: int = field(1, above=0)
     # Each "cosine_restarts" cycle's peak, as a multiple of the one before.
     lr_cycle_decay: float = field(0.8, above=0)
-    # Steps per call of the compiled train function: fewer Python round trips.
+    # Steps per call of the compiled train function: fewer Python round trips;
+    # under parameter servers, steps per scheduled closure (a closure run again after
+    # its worker died runs them all again).
     steps_per_execution: int = field(1, above=0)
     # Compile the train step with XLA.
     jit_compile: bool = False
@@ -235,6 +237,13 @@ class PSConfig:
     # bytes of every push (the variables are still read as float32).
     # "none": float32 both ways.
     compression: str = field("none", choices=("none", "fp16"))
+    # In async mode, in the project's loop (a task read by index, any Keras 3 task):
+    # the steps of a scheduled closure (train.steps_per_execution) read the model's
+    # variables from the ps tasks once every `read_every` of them (a table's lookups
+    # are still made each step). 1: every step reads them. m > 1: fewer bytes, but a
+    # step's gradient is of the weights as they were up to m - 1 of the worker's own
+    # updates before, beside the other workers' (docs/benchmarks.md).
+    read_every: int = field(1, above=0)
 
 
 @dataclasses.dataclass(frozen=True)

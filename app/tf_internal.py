@@ -25,6 +25,11 @@ these, only this module breaks, and only the runs that use it:
   saves its slots of a table's shards. If they move, the backup of Keras 3's loop
   fails (`tests/test_resume_shards.py`). Only a partitioner makes a ShardedVariable
   publicly; a list assigned to an attribute of a `tf.Module` is wrapped so.
+- `read_once`: ParameterServerStrategy's cached variable reads
+  (`distribute_utils.cache_variable_reads`, `ps_values.CachingVariable`), made to
+  read the model's variables once per closure of several steps and to keep their
+  gradients (`ps.read_every`). If they move, such closures fail to trace
+  (tests/test_steps_per_execution.py); the public way is `ps.read_every = 1`.
 """
 
 from __future__ import annotations
@@ -123,3 +128,82 @@ def disable_op_determinism() -> None:
     from tensorflow.python.framework import config
 
     config.disable_op_determinism()
+
+
+class _ReadOnce:
+    """What `read_once` keeps while a function is traced: where the closure's graph
+    is, which variables it reads once (by id), and the value read of each so far."""
+
+    def __init__(self, graph, ids: set[int]):
+        self.graph, self.ids, self.values = graph, ids, {}
+
+
+_read_once_state: _ReadOnce | None = None
+_tf_cached_read_value = None  # CachingVariable's own, once `read_once` replaced it
+
+
+def _parts(variable) -> list:
+    """A ShardedVariable's parts, or the variable itself."""
+    return list(variable.variables) if isinstance(
+        variable, tf.__internal__.distribute.ShardedVariable) else [variable]
+
+
+def _cached_read_value(self):
+    """CachingVariable.cached_read_value under `read_once` (see there)."""
+    from tensorflow.python.eager import record
+    from tensorflow.python.ops import resource_variable_ops
+
+    state = _read_once_state
+    if state is None:  # TensorFlow's own caching scope (tf_keras' exact evaluation)
+        return _tf_cached_read_value(self)
+    if id(self) not in state.ids:
+        return self._v.read_value()  # read as usual, every time
+    value = state.values.get(id(self))
+    if value is None:
+        # Made in the closure's graph, before its loop of steps: the one read.
+        with record.stop_recording(), state.graph.as_default(), tf.device("CPU:0"):
+            value = state.values[id(self)] = tf.identity(self._v.read_value())
+    # For the tapes, a read of the variable, as ResourceVariable._read_variable_op
+    # records one: the gradient of the value is the variable's.
+    resource_variable_ops.variable_accessed(self._v)
+    result = tf.identity(value)
+    record.record_operation("ReadVariableOp", [result], [self._v.handle],
+                            backward_function=lambda x: [x], forward_function=lambda x: [x])
+    return result
+
+
+@contextlib.contextmanager
+def read_once(variables: list) -> Iterator[None]:
+    """While a closure's function is traced within it, each of `variables` (a
+    ParameterServerStrategy's, or ShardedVariables of them) that it reads whole is read
+    from its ps task once, where the function begins, and every later read in the
+    function (each step of its loop) takes that value; a gradient of such a read is
+    the variable's, and updates go to the variable on its ps task. Sparse reads
+    (embedding lookups) and the other variables (the optimizer's slots and step, the
+    metrics) are read as usual, when they are used.
+
+    TensorFlow 2.21 wraps every variable of a ParameterServerStrategy in a
+    `ps_values.CachingVariable`, whose reads within `distribute_utils.
+    cache_variable_reads()` are cached where they are first made (tf_keras' exact
+    evaluation uses it). That is not enough to train: a first read inside a loop of
+    steps is made again every step, every variable read is cached (an optimizer's
+    slots too), and a cached read is no read for a GradientTape, so the gradients are
+    None. Here the scope is entered with `CachingVariable.cached_read_value` replaced
+    to cache only `variables`, in the closure's graph, and to record each read for
+    the tapes. If these move, the first closure of a run with
+    train.steps_per_execution > 1 and ps.read_every > 1 fails to trace
+    (tests/test_steps_per_execution.py); the public way is to read every step."""
+    global _read_once_state, _tf_cached_read_value
+    from tensorflow.python.distribute import distribute_utils, ps_values
+
+    if _tf_cached_read_value is None:
+        _tf_cached_read_value = ps_values.CachingVariable.cached_read_value
+        ps_values.CachingVariable.cached_read_value = _cached_read_value
+    ids = {id(part) for v in variables for part in _parts(v)
+           if isinstance(part, ps_values.CachingVariable)}
+    _read_once_state = _ReadOnce(tf.compat.v1.get_default_graph(), ids)
+    try:
+        with distribute_utils.cache_variable_reads():
+            yield
+    finally:
+        _read_once_state = None

@@ -126,9 +126,10 @@ def _export(runner: runners.SingleHost, task: Task, model, outdir: pathlib.Path,
 # How the run reads its training examples, and what that keeps across failures and
 # resumes: metrics.json's `input` and `input_guarantee`.
 BY_INDEX = {"input": "by_index", "input_guarantee": "exactly_once"}
-# Under parameter servers, a step the coordinator runs again after its worker died may
-# have had its update (or part of it) applied already: about 4 worker deaths in 10 here
-# (docs/data_service.md, "Read by index").
+# Under parameter servers, a closure the coordinator runs again after its worker died
+# (train.steps_per_execution steps) may have had updates of its steps applied already:
+# at one step a closure, about 4 worker deaths in 10 here (docs/data_service.md, "Read
+# by index").
 BY_INDEX_PS = {"input": "by_index", "input_guarantee": "exactly_once_but_rerun_steps"}
 PIPELINE = {"input": "pipeline", "input_guarantee": "none"}
 SERVICE = {"input": "data_service", "input_guarantee": "at_most_once"}
@@ -157,8 +158,8 @@ def _input(config: Config, task: Task, runner: runners.SingleHost,
     reruns = runner.reruns_applied_steps
     log.info("input: by index, %d examples in an order of (train.seed, epoch); every "
              "example once per epoch across failures and resumes%s", source.size,
-             ", but for a step run again after its worker died, which may have been "
-             "applied already" if reruns else "")
+             ", but for the steps of a closure run again after its worker died, which "
+             "may have been applied already" if reruns else "")
     if config.data.shard_policy != "auto":
         log.warning("data.shard_policy = %s does not apply to examples read by index: each "
                     "input pipeline takes its part of every global batch (data.by_index = "

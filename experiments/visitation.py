@@ -17,10 +17,13 @@ examples of the next epoch were read early.
   backup and exits 204), the job requeued on the same or another cluster shape.
 - The window (`--window N`): the by-index worker SIGKILL N times, counting how
   often the step the dead worker held runs again after its update (or part of
-  it) had reached the ps: an update applied twice.
+  it) had reached the ps: an update applied twice. With `--set
+  train.steps_per_execution=K` a closure holds K steps, and runs again whole.
 
     python experiments/visitation.py --out docs/results/visitation.json         # ~15 min
     python experiments/visitation.py --window 10 --out docs/results/visitation_window.json
+    python experiments/visitation.py --window 10 --set train.steps_per_execution=8 \
+        --out docs/results/visitation_window_spe8.json
     python experiments/visitation.py --by-index-table --out docs/results/visitation_by_index.json
     python experiments/visitation.py --table docs/results/visitation_by_index.json  # a table
 
@@ -107,13 +110,19 @@ BY_INDEX_CASES = [
 ]
 
 
+# More `--set KEY=VALUE` overrides for every run (main's --set).
+OVERRIDES: list[str] = []
+
+
 def task_flags(task: str, workdir: pathlib.Path) -> list[str]:
-    """app.train's flags: the numbered task's epoch, the backups, the step log."""
+    """app.train's flags: the numbered task's epoch, the backups, the step log, and
+    OVERRIDES."""
     return ["--workdir", str(workdir), "--set", f"task.name={task}",
             "--set", f"task.examples={EXAMPLES}", "--set", "train.epochs=1",
             "--set", f"train.global_batch_size={BATCH}", "--set", "train.verbose=0",
             "--set", f"checkpoint.every_steps={BACKUP_EVERY}",
-            "--set", "debug.log_every_steps=50"]
+            "--set", "debug.log_every_steps=50",
+            *(arg for item in OVERRIDES for arg in ("--set", item))]
 
 
 def lead(flags: tuple[str, ...]) -> str:
@@ -257,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                              "applied twice")
     parser.add_argument("--out", help="where the rows go (JSON); default "
                         "runs/visitation[_by_index|_window].json")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, e.g. "
+                             "train.steps_per_execution=8")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier run")
     parser.add_argument("--runs", metavar="DIR", help="keep each run's workdir and launcher "
                         "output (run<N>.<launch>.log) there; default: a temporary directory")
@@ -266,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         print(TABLES[written.get("table", "service")](written["rows"]))
         return 0
     which = "by_index" if args.by_index_table else "window" if args.window else "service"
+    OVERRIDES[:] = args.set
     with tempfile.TemporaryDirectory() as tmp:
         runs = pathlib.Path(args.runs or tmp)
         runs.mkdir(parents=True, exist_ok=True)
@@ -279,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "machine": machine(), "table": which,
         "examples": EXAMPLES, "batch": BATCH, "kill_at_step": KILL_AT,
-        "backup_every_steps": BACKUP_EVERY, "rows": rows}, indent=1) + "\n")
+        "backup_every_steps": BACKUP_EVERY, "overrides": args.set, "rows": rows},
+        indent=1) + "\n")
     print(TABLES[which](rows))
     print(f"wrote {out}")
     return 0

@@ -15,6 +15,12 @@ def test_runs_are_pure_training_of_the_asked_steps():
     assert "eval.test_every_epoch=false" in sets(args) and "train.epochs=1" in sets(args)
 
 
+def test_a_run_may_be_evaluated_on_the_whole_test_set():
+    args = bench.train_args("configs/mnist.toml", [], steps=10, whole_test_set=True)
+    assert not [a for a in args if a.startswith("task.test_examples=")]
+    assert "task.test_examples=32" in bench.train_args("configs/mnist.toml", [], steps=10)
+
+
 def test_tasks_that_generate_their_data_get_no_mnist_source():
     args = bench.train_args("configs/recommender.toml", [], steps=10)
     assert "task.train_examples=5120" in sets(args)
@@ -71,6 +77,18 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
     assert results["baseline"]["steps_per_sec"] == 0  # not in these runs: shown as 0
     assert results["baseline"]["cpu_seconds"] == {"main": 45}
     assert "main 45" in bench_report.table(results) and results["ps_2w2p"]["cpu_seconds"] == {}
+
+
+def test_a_linked_runs_bytes_are_read_from_its_log_and_given_per_step():
+    log = ("[worker:0] INFO step 50\n[launch] bytes through each task's link: chief:0 in 1.2 MiB "
+           "out 3.5 MiB, worker:0 in 850.3 MiB out 12.0 MiB, ps:0 in 10.0 MiB out 400.1 MiB\n")
+    carried = bench.link_bytes(log)
+    assert carried == {"chief:0": [1.2, 3.5], "worker:0": [850.3, 12.0], "ps:0": [10.0, 400.1]}
+    assert bench.link_bytes("[worker:0] INFO step 50\n") == {}
+    run = {"train_examples_per_sec": 100, "peak_memory_mib": 1, "num_replicas": 1, "steps": 100,
+           "link_mib": carried}
+    results = bench.summarize({"ps_2w2p": [run, {**run, "steps": 200}, run]})
+    assert results["ps_2w2p"]["link_mib_per_step"]["worker:0"] == [8.503, 0.12]
 
 
 def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other():

@@ -99,6 +99,32 @@ def _model_on(strategy_):
     return types.SimpleNamespace(distribute_strategy=strategy_)
 
 
+# The last step of each call in epoch 2 after a resume at step 5, 3 steps a call.
+RESUMED_AT_THREE = {"keras2": (7, 10, 13, 15), "keras3": (5, 8, 11, 14, 15)}
+
+
+@pytest.mark.parametrize("keras", KERASES)
+def test_a_run_resumed_at_three_steps_per_execution_runs_each_step_once(
+        keras, tmp_path, tiny_datasets, monkeypatch):
+    # Stopped at one step a call, after step 5 of epoch 2; resumed at 3 a call. Keras 2
+    # starts its calls at the step it resumes at; Keras 3's first call takes the one step
+    # left before one of its calls' edges. Either's last call in an epoch (16 steps)
+    # takes the steps left in it, and the next epoch starts at a call's start.
+    attach(monkeypatch, Probe(stop_at=(1, 3), how="sigterm"))
+    with pytest.raises(preemption.Preempted):
+        _run(_config(*KERASES[keras]), tmp_path, tiny_datasets)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    probe = attach(monkeypatch, Probe())
+    metrics = _run(_config("train.steps_per_execution=3", *KERASES[keras]), tmp_path,
+                   tiny_datasets)
+    resumed = RESUMED_AT_THREE[keras]
+    assert probe.seen[:len(resumed)] == [(1, end) for end in resumed]
+    assert probe.seen[len(resumed):len(resumed) + 6] == [
+        (2, end) for end in (2, 5, 8, 11, 14, 15)]
+    assert metrics["steps"] == 3 * STEPS
+    assert [row["epoch"] for row in metrics["history"]] == [1, 2, 3]
+
+
 def test_history_rows_of_epochs_a_resumed_run_redoes_are_dropped(tmp_path):
     # A run killed after epoch 2's row was written but before epoch 2's backup.
     path = tmp_path / "backup" / "history.json"

@@ -31,9 +31,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -104,6 +106,12 @@ ROWS: dict[str, Row] = {
     "defaults": _at_defaults("one process, default strategy", _BASELINE),
     "mwms_2w_defaults": _at_defaults("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
     "ps_2w2p_defaults": _at_defaults("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "mwms_2w_fp16_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
+        _ps(2, 0, "sync.compression=fp16")),
+    "mwms_2w_threads2_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes of 2 intra-op threads each",
+        _ps(2, 0, "runtime.intra_op_threads=2")),
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
     "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
@@ -119,6 +127,15 @@ ROWS: dict[str, Row] = {
                            _ps(2, 0, "sync.bytes_per_pack=0")),
     "ps_2w1p": Row("ParameterServer: chief + 2 workers + 1 ps", _ps(2, 1)),
     "ps_2w2p": Row("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    # Several steps per scheduled closure (train.steps_per_execution): one scheduling round
+    # trip per 8 steps. Their ratio is to the baseline at one step a call, as every row's.
+    "ps_2w2p_spe8": Row("ps_2w2p, 8 steps per closure (train.steps_per_execution=8)",
+                        _ps(2, 2, "train.steps_per_execution=8")),
+    "ps_2w2p_spe8_once": Row("ps_2w2p_spe8, the variables read once per closure "
+                             "(ps.read_every=8)",
+                             _ps(2, 2, "train.steps_per_execution=8", "ps.read_every=8")),
+    "ps_2w2p_spe8_every2": Row("ps_2w2p_spe8, the variables read every 2 steps (ps.read_every=2)",
+                               _ps(2, 2, "train.steps_per_execution=8", "ps.read_every=2")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
@@ -141,6 +158,8 @@ ROWS: dict[str, Row] = {
                           _ps(2, 2, "task.table_scale=0.4")),
     "rec_mwms_2w_8x": Row("rec_mwms_2w with tables 8x as large (task.table_scale=0.4)",
                           _ps(2, 0, "task.table_scale=0.4")),
+    "rec_ps_2w2p_spe8": Row("rec_ps_2w2p, 8 steps per closure (train.steps_per_execution=8)",
+                            _ps(2, 2, "train.steps_per_execution=8")),
     "rec_ps_2w2p_ranked": Row("rec_ps_2w2p with the hot ids at the front of each table",
                               _ps(2, 2, "task.ids=ranked")),
     # Keras 3 beside Keras 2: each row the same strategy as its base with the model in
@@ -151,6 +170,9 @@ ROWS: dict[str, Row] = {
     "keras3_mwms_2w": Row("mwms_2w in Keras 3", _ps(2, 0, "task.keras=keras"), base="mwms_2w"),
     "keras3_ps_2w2p": Row("ps_2w2p in Keras 3 (the project's loop on the coordinator)",
                           _ps(2, 2, "task.keras=keras"), base="ps_2w2p"),
+    "keras3_ps_2w2p_spe8": Row("ps_2w2p_spe8 in Keras 3", _ps(2, 2, "task.keras=keras",
+                                                            "train.steps_per_execution=8"),
+                               base="ps_2w2p_spe8"),
     # Where Keras 3's time goes: with 8 steps per execution, the per-step work on the
     # host (the fit loop, callbacks, dispatching the step) is paid once per 8 steps.
     "keras3_spe8": Row("spe8 in Keras 3", (*_BASELINE, *_sets("task.keras=keras",
@@ -179,6 +201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="config override for every row, e.g. train.global_batch_size=128")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--whole-test-set", action="store_true",
+                        help="evaluate each run on the task's whole test set (default: one "
+                             "batch): its test metric after the same training examples")
     parser.add_argument("--rows", default=",".join(DEFAULT_ROWS),
                         help="comma-separated subset of: " + ", ".join(ROWS))
     parser.add_argument("--workdir", type=pathlib.Path, default=pathlib.Path("runs/bench"))
@@ -217,13 +242,17 @@ def entries(rows: list[str], links: list[str | None]) -> list[tuple[str, str, st
     return out
 
 
-def train_args(config_path: str, overrides: list[str], steps: int) -> list[str]:
-    """app.train arguments for a run of exactly `steps` steps of pure training."""
+def train_args(config_path: str, overrides: list[str], steps: int,
+               whole_test_set: bool = False) -> list[str]:
+    """app.train arguments for a run of exactly `steps` steps of pure training, then
+    one batch of test examples, or the task's whole test set (its test metric then
+    compares the rows' accuracy after the same examples)."""
     config = cfg.load(config_path, [*PLAIN, *overrides])
     batch = config.train.global_batch_size
     fixed = [f"task.train_examples={steps * batch}",
-             "task.validation_examples=0", f"task.test_examples={batch}", "train.epochs=1",
-             "eval.test_every_epoch=false", "train.verbose=0"]
+             "task.validation_examples=0", "train.epochs=1",
+             "eval.test_every_epoch=false", "train.verbose=0",
+             *([] if whole_test_set else [f"task.test_examples={batch}"])]
     if config.task.name == "mnist" and not any(o.startswith("task.source=") for o in overrides):
         fixed.insert(0, "task.source=synthetic")  # no files to read; --set task.source=mnist does
     return ["--config", config_path, *_sets(*PLAIN, *overrides, *fixed)]
@@ -304,6 +333,8 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
         tail = workdir.with_suffix(".log").read_text()[-3000:]
         raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{tail}")
     metrics = json.loads((workdir / "metrics.json").read_text())
+    if carried := link_bytes(workdir.with_suffix(".log").read_text()):
+        metrics["link_mib"] = carried
     metrics["peak_memory_mib"] = round(peak / 2**20, 1)
     by_task: dict[str, float] = {}
     for task, seconds in cpu.values():
@@ -314,6 +345,18 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
         largest[task] = max(largest.get(task, 0), round(peak_bytes / 2**20, 1))
     metrics["peak_rss_mib_by_task"] = largest
     return metrics
+
+
+_CARRIED = re.compile(r"bytes through each task's link: (.*)$", re.MULTILINE)
+_TASK_BYTES = re.compile(r"(\S+) in ([\d.]+) MiB out ([\d.]+) MiB")
+
+
+def link_bytes(log: str) -> dict[str, list[float]]:
+    """{task: [MiB into its link, MiB out of it]} over a run with --link, as launch.local
+    reports them when the run ends; {} without links."""
+    found = _CARRIED.findall(log)
+    return {task: [float(into), float(out)]
+            for task, into, out in _TASK_BYTES.findall(found[-1])} if found else {}
 
 
 def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
@@ -363,6 +406,11 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
                     "test_auc", "bayes_test_auc", "ps_traffic"):
             if key in metrics[0]:
                 results[row][key] = metrics[0][key]
+        if "link_mib" in metrics[0]:  # the whole run's bytes (start, evaluation, export too)
+            results[row]["link_mib_per_step"] = {
+                task: [round(statistics.median(m["link_mib"][task][i] / m["steps"]
+                                               for m in metrics), 3) for i in (0, 1)]
+                for task in metrics[0]["link_mib"]}
         results[row]["peak_rss_mib_by_task"] = {
             task: max(m.get("peak_rss_mib_by_task", {}).get(task, 0) for m in metrics)
             for task in metrics[0].get("peak_rss_mib_by_task", {})}
@@ -390,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
         links = link_list(args)
         if links != [None] and (problem := network.preflight()):
             raise ValueError(problem)  # before any row runs, not in the first cluster's log
-        base_args = train_args(args.config, args.set, args.steps)
+        base_args = train_args(args.config, args.set, args.steps, args.whole_test_set)
     except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -400,14 +448,18 @@ def main(argv: list[str] | None = None) -> int:
     host = bench_report.machine()
     command = " ".join(["python -m tools.bench", *(sys.argv[1:] if argv is None else argv)])
     args.workdir.mkdir(parents=True, exist_ok=True)
+    # The machine is shared: how loaded it was, as `uptime` says, when the rows ran.
+    load = {"date": datetime.date.today().isoformat(),
+            "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory() as tmp:
         results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+    load["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     for error in failed.values():
         print(f"error: {error}", file=sys.stderr)
     if not results:
         return 1
     add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
-    report = {"command": command, "machine": host, "steps": args.steps,
+    report = {"command": command, "machine": host, **load, "steps": args.steps,
               "repeats": args.repeats, **({"links": links} if links != [None] else {}),
               "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import pathlib
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -145,14 +146,16 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1) -> keras.callbacks.History:
+                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1
+                    ) -> keras.callbacks.History:
     if reading is None:
         return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs,
                    steps_per_epoch, verbose)
     return coordinated.fit(model, model.train_step, coordinator, keras, epochs=epochs,
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, reading=reading, with_worker=with_worker,
-                           workers=workers,
+                           workers=workers, steps_per_execution=steps_per_execution,
+                           read_every=read_every, variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 
@@ -198,7 +201,31 @@ def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
 
 
 def evaluate(model: keras.Model, dataset: tf.data.Dataset) -> dict[str, float]:
-    return model.evaluate(dataset, verbose=0, return_dict=True)
+    """Keras' evaluate, every batch of `dataset` once, at the model's steps_per_execution."""
+    return model.evaluate(dataset, steps=_batches(model, dataset), verbose=0, return_dict=True)
+
+
+# The number of batches of each dataset `_batches` has counted, while the dataset lives.
+_COUNTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _batches(model: keras.Model, dataset: tf.data.Dataset) -> int | None:
+    """How many batches `dataset` holds, where tf_keras needs to be told: None where it
+    finds out itself.
+
+    tf_keras 2.21 runs several steps per execution only over data whose size it knows
+    (data_adapter.py: "Could not infer the size of the data. With steps_per_execution >
+    1, you must specify the number of steps"), and a dataset read from files, or
+    filtered, has none; Keras 3 reads ahead with `get_next_as_optional` instead. Such a
+    dataset's batches are counted once, in a pass over it, and the count kept for its
+    next evaluation (the trainer evaluates the same datasets every epoch)."""
+    steps = model.steps_per_execution
+    if (steps is None or int(steps.numpy()) == 1
+            or int(dataset.cardinality()) != tf.data.UNKNOWN_CARDINALITY):
+        return None
+    if dataset not in _COUNTED:
+        _COUNTED[dataset] = int(dataset.reduce(tf.constant(0, tf.int64), lambda n, _: n + 1))
+    return _COUNTED[dataset]
 
 
 def export(model: keras.Model, directory: pathlib.Path) -> None:

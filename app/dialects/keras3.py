@@ -166,12 +166,16 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1) -> keras.callbacks.History:
+                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1
+                    ) -> keras.callbacks.History:
     """The project's loop on the coordinator (Keras 3's fit has none)."""
+    trainable = [tf_variable(v) for v in model.trainable_variables]
     return coordinated.fit(model, built.train, coordinator, keras, epochs=epochs,
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, dataset_fn=dataset_fn, reading=reading,
                            with_worker=with_worker, workers=workers,
+                           steps_per_execution=steps_per_execution,
+                           read_every=read_every, variables=trainable,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 
@@ -315,12 +319,15 @@ def tensorboard(log_dir: pathlib.Path):
 def fit(model: keras.Model, dataset_fn, strategy, callbacks_: list, epochs: int,
         steps_per_epoch: int, verbose) -> keras.callbacks.History:
     """Keras 3's fit, on one input pipeline per worker made by `dataset_fn`; a
-    resumed run starts its first epoch at the step after its backup's."""
+    resumed run starts its first epoch at the step after its backup's, and every
+    epoch runs its steps exactly (`keras3_internal.exact_epochs`: one step a call
+    with several replicas, where Keras 3.15's multi-step loop fails)."""
     keras3_internal.reduce_logs_first_under_multi_worker()
     dataset = strategy.distribute_datasets_from_function(
         dataset_fn, options=strategies.input_options(strategy))
     backup_ = next((cb for cb in callbacks_ if isinstance(cb, Backup)), None)
-    with keras3_internal.first_epoch_from(lambda: backup_.steps_done if backup_ else 0):
+    stepwise = model.steps_per_execution > 1 and strategy.num_replicas_in_sync > 1
+    with keras3_internal.exact_epochs(lambda: backup_.steps_done if backup_ else 0, stepwise):
         return model.fit(dataset, epochs=epochs, steps_per_epoch=steps_per_epoch,
                          callbacks=callbacks_, verbose=verbose, shuffle=False)
 

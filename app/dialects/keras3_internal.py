@@ -12,11 +12,12 @@ and these. Each says why the public API does not suffice and what fails if it mo
   (`model.layers` lists its direct children only), and what fit() builds from its
   first batch, built from another (`keras3_build.prebuild`); fit has no public way to
   be given a built model. If they move, every Keras 3 run fails before its first step.
-- `reduce_logs_first_under_multi_worker`, `first_epoch_from`: Keras 3's TensorFlow
-  trainer, fixed (a step's logs under MultiWorkerMirrored) and resumed (at the step
-  after a backup's: fit has no initial step). If they move, two-worker Keras 3 runs
-  stop at their first step, or a resumed run repeats its epoch's first steps
-  (tests/test_preemption.py, tests/test_sigterm.py).
+- `reduce_logs_first_under_multi_worker`, `exact_epochs`: Keras 3's TensorFlow
+  trainer, fixed (a step's logs under MultiWorkerMirrored), resumed (at the step
+  after a backup's: fit has no initial step) and held to its epochs' steps under
+  steps_per_execution > 1. If they move, two-worker Keras 3 runs stop at their first
+  step, a resumed run repeats its epoch's first steps, or an epoch runs past its end
+  (tests/test_preemption.py, tests/test_sigterm.py, tests/test_steps_per_execution.py).
 - `input_signature`: the input signature `model.export` uses, for the project's own
   export archive (`keras3._export`, inference mode). If it moves, the export fails.
 - `in_stateless_scope`, `tensorflow_value`, `variable_class`, `numpy_module`,
@@ -42,6 +43,7 @@ and these. Each says why the public API does not suffice and what fails if it mo
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -124,26 +126,43 @@ def reduce_logs_first_under_multi_worker() -> None:
 
 
 @contextlib.contextmanager
-def first_epoch_from(first_step: Callable[[], int]) -> Iterator[None]:
+def exact_epochs(first_step: Callable[[], int], stepwise: bool = False) -> Iterator[None]:
     """Within it, the next fit() numbers its first epoch's steps from `first_step()`
     (read when that epoch begins, after the callbacks' on_train_begin restored the
-    backup). Keras 3.15's fit makes its training TFEpochIterator first, then any
-    for evaluation, which are left as they are."""
+    backup), and runs each epoch's steps exactly; `stepwise`: one step per call of
+    its train function. Keras 3.15's fit makes its training TFEpochIterator first,
+    then any for evaluation, which are left as they are.
+
+    Keras 3.15's fit runs whole executions of `steps_per_execution` steps
+    (EpochIterator `_enumerate_iterator`): an epoch whose steps they do not divide ran
+    past its end (33 steps of 32 at 3 a call), and a resumed epoch could start only
+    where an execution does. An execution that would cross the first step or the
+    epoch's end gets an iterator of its steps' batches alone, which Keras' train
+    function runs one step a call (the `function` of `_make_function`, given an
+    iterator that is not TensorFlow's); `stepwise`, every execution does. Several
+    steps a call fail with several replicas (Mirrored, MultiWorkerMirrored: "You must
+    feed a value for placeholder tensor", keras-team/keras#19246; the step's
+    merge_call runs in the tf.cond of Keras' multi-step loop)."""
     original = _tf_trainer.TFEpochIterator
 
-    class _Resuming(original):
+    class _Exact(original):
         def _enumerate_iterator(self):
             first = self._first_step() if self._first_step else 0
             self._first_step = None
+            last = self.steps_per_epoch - 1 if self.steps_per_epoch else None
             # The skipped steps read no input (train_function does): the epoch's
             # input goes on from where the iterator is.
             for begin, end, iterator in super()._enumerate_iterator():
-                if begin >= first:
-                    yield begin, end, iterator
+                if end < first:
+                    continue
+                if stepwise or begin < first or last is not None and end > last:
+                    begin, end = max(begin, first), end if last is None else min(end, last)
+                    iterator = itertools.islice(iterator, end - begin + 1)
+                yield begin, end, iterator
 
     def make(*args, **kwargs):
         _tf_trainer.TFEpochIterator = original  # one, for training
-        iterator = _Resuming(*args, **kwargs)
+        iterator = _Exact(*args, **kwargs)
         iterator._first_step = first_step
         return iterator
 

@@ -389,7 +389,9 @@ class AsyncPS(SingleHost):
             model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
             self.config.checkpoint.every_steps, reading=self.reading,
-            with_worker=self.straggler is not None, workers=self._workers)
+            with_worker=self.straggler is not None, workers=self._workers,
+            steps_per_execution=self.config.train.steps_per_execution,
+            read_every=self.config.ps.read_every)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is

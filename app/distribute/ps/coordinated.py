@@ -4,12 +4,16 @@ Keras 3's `fit` has no ParameterServerStrategy (keras-team/keras#18624), and
 tf_keras' `fit` under one schedules steps that each read the next element of a
 per-worker iterator: a step the coordinator runs again after a worker failed
 reads another batch, and a recovered worker starts its dataset over. Here each
-step is scheduled with its global step number when the task gives its examples
-by index (`app.indexed`): wherever and however often it runs, it trains on the
-same batch. Otherwise (a task with only a `train_dataset`) it reads the next
-element of the worker's iterator, as Keras does.
+closure (`train.steps_per_execution` steps, as tf_keras' fit runs them) is
+scheduled with the global number of its first step when the task gives its
+examples by index (`app.indexed`): wherever and however often it runs, its steps
+train on the same batches, each read in the step. Otherwise (a task with only a
+`train_dataset`) each step reads the next element of the worker's iterator, as
+Keras does.
 
-The backup (`LoopBackup`) is saved once every scheduled step has run, so the
+A closure the coordinator runs again, after its worker failed, runs all its steps
+again, whichever of them had been applied: the rerun window is one closure.
+The backup (`LoopBackup`) is saved once every scheduled closure has run, so the
 position it records is exact and is the whole state of the input.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import pathlib
 from collections.abc import Callable
@@ -25,10 +30,13 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import indexed
+from app import indexed, tf_internal
 from app.state import backup as backups
 
 log = logging.getLogger(__name__)
+
+# schedule(first, count): a closure of the `count` steps from global step `first`.
+Schedule = Callable[[int, int], Any]
 
 
 class LoopBackup(backups.Backup):
@@ -43,8 +51,9 @@ class LoopBackup(backups.Backup):
         self.coordinator = coordinator
         self.track(model=model, optimizer=model.optimizer)
 
-    def step_done(self, epoch: int, done: int) -> None:
-        self.steps_run()
+    def step_done(self, epoch: int, done: int, steps: int = 1) -> None:
+        """`steps` more steps are scheduled; `done` of epoch `epoch` in all."""
+        self.steps_run(steps)
         self.at(epoch, done)
         self.stop_if_asked()
         if self.due():
@@ -63,19 +72,25 @@ class LoopBackup(backups.Backup):
 def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
-        with_worker: bool = False, workers: int = 1):
+        with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
+        read_every: int = 1, variables: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
-    step), each scheduled on a free worker, its batch read by index (`reading`) or
-    from the worker's iterator of `dataset_fn`. `keras` is the model's Keras, whose
-    callbacks see what they see under tf_keras' fit with a coordinator: a batch ends
-    when it is scheduled, an epoch once all of its steps have run. `with_worker`:
-    the batch also carries the index of the worker that trains on it (a straggler's
-    train step needs it). `workers`: how many there are."""
+    step), `steps_per_execution` of them in each closure scheduled on a free worker
+    (fewer at an epoch's end), each batch read by index (`reading`) or from the
+    worker's iterator of `dataset_fn`. `keras` is the model's Keras, whose callbacks
+    see what they see under tf_keras' fit with a coordinator: a batch ends when it is
+    scheduled (the last step of a closure), an epoch once all of its steps have run.
+    `with_worker`: the batch also carries the index of the worker that trains on it (a
+    straggler's train step needs it). `workers`: how many there are. `variables`: the
+    model's, which a closure's steps read from the ps tasks once every `read_every`
+    of them (`tf_internal.read_once`)."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
-    schedule = (_by_index(train, coordinator, *reading, with_worker) if reading
-                else _by_iterator(train, coordinator, dataset_fn))
+    loop = functools.partial(_loop, variables=variables,
+                             every=read_every if steps_per_execution > 1 else 1)
+    schedule = (_by_index(train, coordinator, *reading, with_worker, loop) if reading
+                else _by_iterator(train, coordinator, dataset_fn, loop))
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
@@ -86,7 +101,7 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         with strategy.scope():  # tf_keras builds its compiled metrics at the first trace
             _epochs(model, schedule, coordinator.join, callback_list, backup,
                     range(first_epoch, epochs), first_step, steps_per_epoch,
-                    AHEAD_PER_WORKER * workers)
+                    steps_per_execution, closures_ahead(steps_per_execution) * workers)
     except BaseException as e:
         failure = failure_behind(coordinator, e)
         # Nothing scheduled may run on after this run, into the next one's restore.
@@ -121,68 +136,102 @@ def failure_behind(coordinator, error: BaseException) -> BaseException:
     return error
 
 
-def _by_iterator(train, coordinator, dataset_fn) -> Callable[[int], Any]:
+def _loop(count: tf.Tensor, step: Callable[[tf.Tensor], Any], variables: list | None,
+          every: int) -> None:
+    """`step(i)` for i in range(count), in a closure's traced function; with `every` >
+    1, in runs of `every` steps that each read `variables` from the ps tasks once."""
+    if every <= 1 or not variables:
+        for i in tf.range(count):
+            step(i)
+        return
+    for start in tf.range(0, count, every):
+        with tf_internal.read_once(variables):  # the reads: where this run begins
+            for i in tf.range(start, tf.minimum(start + every, count)):
+                step(i)
+
+
+def _by_iterator(train, coordinator, dataset_fn, loop) -> Schedule:
     strategy = coordinator.strategy
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn)))
 
     @tf.function
-    def step(iterator):
-        strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
+    def steps(iterator, count):
+        def step(_):
+            strategy.run(train, args=(next(iterator),))  # nothing returned: see _epochs
 
-    return lambda _: coordinator.schedule(step, args=(iterator,))
+        loop(count, step)
+
+    return lambda first, count: coordinator.schedule(
+        steps, args=(iterator, tf.constant(count, tf.int64)))
 
 
 def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
-              with_worker: bool) -> Callable[[int], Any]:
+              with_worker: bool, loop) -> Schedule:
     strategy = coordinator.strategy
     # What `source.read` reads from, made once on each worker: a per-worker iterator
-    # whose every element is the same, so it has no position a failure could lose.
+    # whose every element is the same, so it has no position to lose.
     loaded = (iter(coordinator.create_per_worker_dataset(
         lambda: indexed.loaded_dataset(source))) if source.load else None)
 
     @tf.function
-    def step(global_step, loaded):
-        batch = indexed.batch(source, order, None if loaded is None else next(loaded),
-                              global_step)
-        if with_worker:
-            worker = tf.distribute.coordinator.experimental_get_current_worker_index()
-            batch = (*batch, tf.cast(worker, tf.int32))
-        strategy.run(train, args=(batch,))  # nothing returned: see _epochs
+    def steps(first, count, loaded):
+        data = None if loaded is None else next(loaded)
 
-    return lambda k: coordinator.schedule(step, args=(tf.constant(k, tf.int64), loaded))
+        def step(i):
+            batch = indexed.batch(source, order, data, first + i)
+            if with_worker:
+                worker = tf.distribute.coordinator.experimental_get_current_worker_index()
+                batch = (*batch, tf.cast(worker, tf.int32))
+            strategy.run(train, args=(batch,))  # nothing returned: see _epochs
+
+        loop(count, step)
+
+    return lambda first, count: coordinator.schedule(
+        steps, args=(tf.constant(first, tf.int64), tf.constant(count, tf.int64), loaded))
 
 
-# Steps scheduled ahead of the oldest one still running, per worker: enough to keep
-# every worker busy. The coordinator's queue takes 262,144, so without a bound a whole
-# epoch is scheduled at once and a SIGTERM is heard only at its end, when the grace
-# period a scheduler gives (30 s in Kubernetes) may be long over. The loop waits for
-# the oldest step with `RemoteValue.fetch`, which copies the step's outputs from its
-# worker: a worker that died after its step had run would fail that copy, out of the
-# coordinator's recovery (UnavailableError on the chief). So a step returns nothing;
-# the epoch's metrics are read from their variables, on the ps tasks.
+# Steps scheduled ahead of the oldest closure still running, per worker: enough to
+# keep every worker busy, in at least 2 closures (one running, one waiting). The
+# coordinator's queue takes 262,144, so without a bound a whole epoch is scheduled at
+# once and a SIGTERM is heard only at its end, when the grace period a scheduler gives
+# (30 s in Kubernetes) may be long over. The loop waits for the oldest closure with
+# `RemoteValue.fetch`, which copies the closure's outputs from its worker: a worker
+# that died after its closure had run would fail that copy, out of the coordinator's
+# recovery (UnavailableError on the chief). So a closure returns nothing; the epoch's
+# metrics are read from their variables, on the ps tasks.
 AHEAD_PER_WORKER = 4
 
 
-def _epochs(model, schedule: Callable[[int], Any], join, callback_list, backup: LoopBackup,
-            epochs: range, first_step: int, steps_per_epoch: int, ahead: int) -> None:
-    """`epochs`, the first from `first_step`: each step `schedule`d with its global
-    number, at most `ahead` of them running, each epoch `join`ed."""
+def closures_ahead(steps_per_execution: int) -> int:
+    """Closures scheduled ahead per worker, at `steps_per_execution` steps each."""
+    return max(2, -(-AHEAD_PER_WORKER // steps_per_execution))
+
+
+def _epochs(model, schedule: Schedule, join, callback_list, backup: LoopBackup,
+            epochs: range, first_step: int, steps_per_epoch: int, per_closure: int,
+            ahead: int) -> None:
+    """`epochs`, the first from `first_step`: closures of `per_closure` steps (fewer at
+    an epoch's end) `schedule`d with their first global step, at most `ahead` of them
+    running, each epoch `join`ed."""
     callback_list.on_train_begin()
     running: collections.deque = collections.deque()
     for epoch in epochs:
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        for index in range(first_step if epoch == epochs.start else 0, steps_per_epoch):
+        index = first_step if epoch == epochs.start else 0
+        while index < steps_per_epoch:
+            count = min(per_closure, steps_per_epoch - index)
             callback_list.on_train_batch_begin(index)
-            running.append(schedule(epoch * steps_per_epoch + index))
+            running.append(schedule(epoch * steps_per_epoch + index, count))
             if len(running) > ahead:
                 running.popleft().fetch()
-            if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
-                backup.step_done(epoch, index + 1)
+            index += count
+            if index < steps_per_epoch:  # the last one is saved with its epoch
+                backup.step_done(epoch, index, count)
             # After the backup, as under tf_keras' fit: a step logged is saved when a
-            # backup was due there (callbacks.for_training).
-            callback_list.on_train_batch_end(index, None)
+            # backup was due there (callbacks.for_training). Keras passes the last step.
+            callback_list.on_train_batch_end(index - 1, None)
         join()
         running.clear()
         logs = {name: float(np.asarray(value))

@@ -1,0 +1,39 @@
+"""tools.profile_ps: what its trace's ops are counted as (the run itself is a benchmark)."""
+
+import pytest
+
+from tools import profile_ps
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("while/body/_1/while/cnn/dense/MatMul/concat/ReadVariableOp/_32:_Send",
+     "transfers to and from other tasks"),
+    ("while/body/_1/gradient_tape/while/cnn/conv2d_1/Conv2D/Conv2DBackpropFilter:"
+     "Conv2DBackpropFilter", "forward and backward"),
+    ("while/body/_1/while/cnn/conv2d/Relu:_FusedConv2D", "forward and backward"),
+    ("while/body/_1/while/Adam/ResourceApplyAdam_4:ResourceApplyAdam", "the optimizer's update"),
+    ("while/body/_1/while/RandomIndexShuffle:RandomIndexShuffle",
+     "reading the batch, loss and metrics"),
+    ("Adam/CollectiveReduceV2:CollectiveReduceV2", "the all-reduce"),
+])
+def test_each_op_is_counted_by_what_it_does(name, kind):
+    assert profile_ps.op_kind(name, "cnn") == kind
+
+
+def test_a_traces_closures_are_its_training_functions_calls():
+    events = [("t", "EagerLocalExecute: __inference_steps_995", 10, 5),
+              ("t", "EagerLocalExecute: __inference_train_function_12", 1, 3),
+              ("t", "EagerLocalExecute: __inference_test_function_7", 30, 9),
+              ("t", "while/cnn/dense/MatMul:MatMul", 11, 1)]
+    assert profile_ps.closures(events) == [(1, 3), (10, 5)]
+
+
+def test_op_time_per_step_is_summed_by_kind_and_leaves_out_calls():
+    events = [("t1", "while/cnn/dense/MatMul:MatMul", 0, 4_000_000_000),  # 4 ms
+              ("t2", "while/cnn/dense/MatMul:MatMul", 0, 2_000_000_000),
+              ("t1", "while/x/_3:_Recv", 0, 6_000_000_000),
+              ("t1", "EagerLocalExecute: __inference_steps_9", 0, 90_000_000_000)]
+    figures = profile_ps._by_kind(events, "cnn", steps=2)
+    assert figures["forward and backward"] == 3.0
+    assert figures["transfers to and from other tasks"] == 3.0
+    assert figures["top op types"] == {"MatMul": 3.0, "_Recv": 3.0}
