@@ -31,9 +31,10 @@ import tensorflow as tf
 from app import dialects, indexed
 from app import strategy as strategies
 from app.cluster import markers
+from app.cluster.memory import human_size
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
-from app.dialects import keras2_sync
+from app.distribute.ps import straggler as stragglers
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.run import callbacks as project_callbacks
@@ -300,14 +301,14 @@ class AsyncPS(SingleHost):
                      "with MultiWorkerMirrored (no ps tasks)")
         self._check_all_reduce_and_batch()
 
-    def _straggler(self) -> sync_ps.Straggler | None:
+    def _straggler(self) -> stragglers.Straggler | None:
         index = self.config.debug.slow_worker
         if index < 0:
             return None
         if index >= self._workers:
             raise ConfigError(f"debug.slow_worker = {index} is not a worker of this cluster "
                               f"(0 to {self._workers - 1})")
-        return sync_ps.Straggler(index, self.config.debug.slow_factor)
+        return stragglers.Straggler(index, self.config.debug.slow_factor)
 
     @property
     def num_workers(self) -> int:
@@ -359,17 +360,17 @@ class AsyncPS(SingleHost):
         return self.placement.report()
 
     def wrap(self, model):
-        return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
+        return stragglers.StragglingModel.wrap(model, self.straggler) if self.straggler else model
 
     def evaluator(self, model, task):
         return self.dialect.ps_evaluator(model, self.coordinator, self._workers)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         if self.straggler:
-            sync_ps.check_pairs(dataset_fn)
+            stragglers.check_pairs(dataset_fn)
         dataset_fn = per_worker(dataset_fn, self._workers)
         if self.straggler:  # its train step needs to know which worker reads the batch
-            dataset_fn = sync_ps.with_worker_id(dataset_fn)
+            dataset_fn = stragglers.with_worker_id(dataset_fn)
         return self.dialect.fit_coordinated(
             model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
@@ -403,11 +404,12 @@ class AsyncPS(SingleHost):
 
 class SyncPS(AsyncPS):
     """ParameterServerStrategy in `ps.mode = sync`: each update averages the first
-    `workers - backup_workers` gradients (app/distribute/ps/sync.py); a global batch is the
-    examples of one update, split over those workers."""
+    `workers - backup_workers` contributions, each a run of the model's own train step
+    on a worker (app/distribute/ps/sync.py); a global batch is the examples of one
+    update, split over those workers."""
 
     resumable = False  # its own loop and backup (sync_ps.SyncBackup), not BackupAndRestore's
-    # Each update takes the first gradients of any `required` workers; a contribution
+    # Each update takes the first contributions of any `required` workers; a contribution
     # is not tied to a part of a global batch yet, so sync reads the task's pipeline.
     reads_by_index = False
     synchronous_ps = True
@@ -415,7 +417,7 @@ class SyncPS(AsyncPS):
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
         self.figures: dict[str, Any] = {}
-        self._task_loss = None  # the loss its own step computes (keras2_sync.task_loss)
+        self.training: sync_ps.SyncTraining | None = None  # once `build` made the model
 
     def check(self) -> None:
         backup = self.config.ps.backup_workers
@@ -423,10 +425,6 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
                               f"workers ({self._workers}): each update needs at least one "
                               "gradient")
-        self._refuse(self.config.ps.compression != "none",
-                     f"ps.compression = {self.config.ps.compression} applies to ps.mode = "
-                     f"async; ps.mode = {self.config.ps.mode} sends its gradients through "
-                     "accumulators in float32. Set one of them back")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "
@@ -443,25 +441,40 @@ class SyncPS(AsyncPS):
         return self.config.train.global_batch_size // self.required
 
     def wrap(self, model):
-        return model  # the straggler sleeps in sync_ps's own step
-
-    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
-        sync_ps.check_pairs(dataset_fn)
-        training = sync_ps.SyncTraining(
-            self.coordinator, model, self._task_loss, num_workers=self._workers,
-            backup_workers=self.config.ps.backup_workers, straggler=self.straggler)
-        history, self.figures = sync_ps.fit(
-            training, per_worker(dataset_fn, self._workers), epochs=self.config.train.epochs,
-            steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=_verbose(self.config.train.verbose),
-            backup=sync_ps.SyncBackup(training, workdir / BACKUP_DIR,
-                                      self.config.checkpoint.every_steps))
-        return history
+        return model  # the straggler sleeps in sync_ps's contributions
 
     def build(self, task, make_optimizer):
-        model = super().build(task, make_optimizer)  # refuses a Keras 3 model
-        self._task_loss = keras2_sync.task_loss(model, task)
+        model = super().build(task, make_optimizer)
+        # Out of the strategy's scope: the exchange's slots go beside their variables.
+        train, path = self.dialect.sync_steps(model, self.steps, task)
+        self.training = sync_ps.SyncTraining(model, train, self.coordinator, path, sync_ps.Settings(
+            self._workers, self.config.ps.backup_workers, self.straggler,
+            push_dtype=tf.float16 if self.config.ps.compression == "fp16" else None))
+        # Before training: a step whose update cannot be deferred is refused in one line.
+        self.training.check(self.train_fn(task)(tf.distribute.InputContext()).element_spec,
+                            task)
         return model
+
+    def report(self):
+        held = self.training.exchange.slot_bytes()
+        return [*super().report(),
+                f"sync slots ({self._workers} workers' gradients beside each trainable "
+                "variable): " + ", ".join(f"{tf.DeviceSpec.from_string(d).job}:"
+                                          f"{tf.DeviceSpec.from_string(d).task} {human_size(b)}"
+                                          for d, b in sorted(held.items()))]
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        strategy = self.coordinator.strategy
+        dataset_fn = per_worker(dataset_fn, self._workers)
+        iterator = iter(self.coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+        history, self.figures = sync_ps.fit(
+            self.training, next, lambda: (iterator,), self.dialect.keras,
+            epochs=self.config.train.epochs, steps_per_epoch=steps_per_epoch,
+            callbacks=callbacks, verbose=_verbose(self.config.train.verbose),
+            backup=sync_ps.SyncBackup(self.training, workdir / BACKUP_DIR,
+                                      self.config.checkpoint.every_steps))
+        return history
 
     def metrics(self, model):
         return {**super().metrics(model), "backup_workers": self.config.ps.backup_workers,
