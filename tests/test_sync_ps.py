@@ -10,12 +10,13 @@ import tensorflow as tf
 import tf_keras as keras
 
 from app import config as cfg
-from app import tf_internal, trainer
+from app import indexed, tf_internal, trainer
 from app.dialects import keras2_sync, keras3_sync
 from app.dialects import keras3 as keras3_dialect
 from app.distribute.ps import straggler as stragglers
 from app.distribute.ps import sync as sync_ps
 from app.run import runners
+from app.task import Task
 from app.tasks.mnist import Mnist
 from tests.conftest import tiny_split, tiny_task
 
@@ -56,11 +57,8 @@ def _training(strategy, model, backup_workers: int, straggler=None, path=None,
 
 def _fit(training: sync_ps.SyncTraining, dataset_fn, steps: int, tmp_path,
          keras_module=keras) -> dict:
-    coordinator = training.coordinator
-    dataset_fn = runners.per_worker(dataset_fn, num_workers=2)
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: coordinator.strategy.distribute_datasets_from_function(dataset_fn)))
-    _, figures = sync_ps.fit(training, next, lambda: (iterator,), keras_module, epochs=1,
+    source = sync_ps.Pipelines(training.coordinator, runners.per_worker(dataset_fn, 2))
+    _, figures = sync_ps.fit(training, source, keras_module, epochs=1,
                              steps_per_epoch=steps, callbacks=[], verbose=0,
                              backup=sync_ps.SyncBackup(training, tmp_path / "backup"))
     return figures
@@ -93,7 +91,7 @@ def test_sync_without_backups_equals_one_process_taking_the_averaged_steps(
 
 
 def _late(version: tf.Variable, final: int, jitter_us: int = 0, late: bool = True,
-          hang_s: float = 300.0):
+          draining: tf.Variable | None = None, hang_s: float = 300.0):
     """A `straggle` whose slow worker deposits only once the parameters have moved on
     from those it read, or have had their `final` update: a straggler that is late
     whatever the load on the machine, where `Straggler.factor` is relative to its
@@ -102,13 +100,17 @@ def _late(version: tf.Variable, final: int, jitter_us: int = 0, late: bool = Tru
     reaches). With `jitter_us`, every deposit (the slow worker's too) first waits up to
     that long, at random: contributions interleave with updates in ever other orders.
     Without `late`, the slow worker has that jitter only (an update that waits for it
-    would wait for ever)."""
+    would wait for ever). With `draining` (the exchange's), it is not late while the
+    chief drains (at an epoch's end, no update comes until every contribution ended)."""
     def wait(ready: list[tf.Tensor]) -> tf.Tensor:
         with tf.control_dependencies(ready):
             seen, deadline = version.read_value(), tf.timestamp() + hang_s
+        def drained():
+            return tf.constant(False) if draining is None else draining.read_value()
+
         return tf.while_loop(
             lambda slept: ((version.read_value() <= seen) & (seen < final)
-                           & (tf.timestamp() < deadline)),
+                           & (tf.timestamp() < deadline) & tf.logical_not(drained())),
             lambda slept: slept + tf_internal.sleep(tf.constant(1000, tf.int64)),
             [tf.constant(0, tf.int64)])[0]
 
@@ -428,3 +430,146 @@ def test_float16_pushes_send_and_hold_each_gradient_as_float16(
     assert slots and all(slot.dtype == tf.float16 for slot in slots)
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster, task=task)
     assert metrics["test_accuracy"] > 0.3
+
+
+# -- reading by index: every example once per epoch -----------------------------------------
+
+COUNTED = 64
+
+
+class _Lazy:
+    """A variable found when read (the run that makes it starts after the test patches)."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def read_value(self):
+        return self.get().read_value()
+
+
+class Counts(keras3.layers.Layer):
+    """A trainable count per example: the loss makes each update add 1 to the counts of
+    the examples it trained on (gradient -1 / batch, SGD at the global batch), so only
+    contributions an update took count."""
+
+    def build(self, input_shape):
+        self.counts = self.add_weight(shape=(COUNTED,), initializer="zeros", name="counts")
+
+    def call(self, ids):
+        return -keras3.ops.take(self.counts, ids)[:, None]
+
+
+class _Counted(Task):
+    """Examples 0 .. 63 by index, each its own feature."""
+
+    def build_model(self):
+        ids = keras3.Input((), dtype="int64")
+        return keras3.Model(ids, Counts(name="counts")(ids))
+
+    def train_source(self):
+        return indexed.Source(COUNTED, read=lambda loaded, ids: (ids, tf.zeros_like(ids)))
+
+    def train_dataset(self, context, global_batch_size):
+        ids = tf.data.Dataset.range(COUNTED).shard(context.num_input_pipelines,
+                                                   context.input_pipeline_id)
+        return (ids.map(lambda i: (i, tf.zeros_like(i))).repeat()
+                .batch(context.get_per_replica_batch_size(global_batch_size)))
+
+    def eval_dataset(self, split, batch_size):
+        ids = tf.data.Dataset.range(8)
+        return ids.map(lambda i: (i, tf.zeros_like(i))).batch(8) if split == "test" else None
+
+    def train_examples(self):
+        return COUNTED
+
+    def loss(self):
+        return lambda labels, predictions: predictions[:, 0]
+
+    def metrics(self):
+        return []
+
+    def optimizer(self, learning_rate):
+        return keras3.optimizers.SGD(8.0)  # the global batch: each update adds 1 per example
+
+
+@pytest.mark.parametrize("by_index, backup_workers", [("true", 1), ("true", 0), ("false", 1)])
+def test_read_by_index_every_example_trains_once_per_epoch(
+        ps_strategy, ps_cluster, tmp_path, monkeypatch, by_index, backup_workers):
+    """With a backup worker and a straggler whose contributions are all dropped, the
+    dropped parts are handed out again: every example trains once per epoch. Read from
+    the workers' pipelines, the straggler's shard is never trained."""
+    trainings = []
+
+    class Recorded(sync_ps.SyncTraining):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            trainings.append(self)
+
+    monkeypatch.setattr(sync_ps, "SyncTraining", Recorded)
+    exchange = _Lazy(lambda: trainings[-1].exchange)
+    late = _late(_Lazy(lambda: exchange.get().version), final=16,
+                 draining=_Lazy(lambda: exchange.get().draining))
+    monkeypatch.setattr(sync_ps, "straggle", late if backup_workers else sync_ps.straggle)
+    config = _config("train.epochs=2", "train.global_batch_size=8", "eval.batch_size=8",
+                     f"ps.backup_workers={backup_workers}", f"data.by_index={by_index}",
+                     *(["debug.slow_worker=1"] if backup_workers else []))
+    metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
+                          task=_Counted())
+    counts = trainings[-1].model.get_layer("counts").counts.numpy()
+    assert metrics["steps"] == 2 * COUNTED // 8
+    if by_index == "true":
+        assert metrics["input"] == "by_index" and metrics["input_guarantee"] == "exactly_once"
+        np.testing.assert_array_equal(counts, np.full(COUNTED, 2.0))
+    else:  # worker 1's shard: the odd examples
+        assert metrics["input"] == "pipeline"
+        assert not counts[1::2].any() and counts.sum() == 2 * COUNTED
+    if backup_workers:
+        assert metrics["contributions"][1] == 0 and metrics["pushed"][1] >= 1
+
+
+# -- the slots' memory: dense, one per worker ------------------------------------------------
+
+ROWS = 4 << 20  # a table of 4M rows x 16 float32: 256 MiB
+
+
+class _Table(Task):
+    """A large embedding table: its slots (2 workers' dense gradients) do not fit 1 GiB."""
+
+    def build_model(self):
+        ids = keras3.Input((), dtype="int64")
+        return keras3.Model(ids, keras3.layers.Embedding(ROWS, 16, name="table")(ids))
+
+    def train_dataset(self, context, global_batch_size):
+        ids = tf.data.Dataset.range(64).map(lambda i: (i, tf.zeros([16])))
+        return ids.repeat().batch(context.get_per_replica_batch_size(global_batch_size))
+
+    def eval_dataset(self, split, batch_size):
+        return None
+
+    def train_examples(self):
+        return 64
+
+    def loss(self):
+        return "mse"
+
+    def metrics(self):
+        return []
+
+    def optimizer(self, learning_rate):
+        return keras3.optimizers.SGD(0.1)
+
+
+def test_slots_that_would_not_fit_the_memory_limit_are_refused_before_training(
+        ps_strategy, ps_cluster, tmp_path, caplog):
+    config = _config("runtime.memory_limit_gib=1", "train.epochs=1")
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster, task=_Table())
+    message = str(e.value)
+    assert message.startswith("ps.mode = sync needs ") and "\n" not in message
+    assert ("gradient slots on ps:" in message and "(2 workers' dense copies" in message
+            and "over runtime.memory_limit_gib = 1 GiB" in message)
+    # Sharded over both ps tasks (ps.partitioner = "min_size"): the log says what it costs.
+    warned = [r.getMessage() for r in caplog.records if "(sharded over 2 ps tasks)" in
+              r.getMessage()]
+    assert len(warned) == 1 and "table" in warned[0]
+    assert "2 workers' slots of 256.0 MiB" in warned[0]

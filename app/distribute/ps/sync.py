@@ -27,11 +27,14 @@ trainable variable itself.
 
 The chief keeps workers + 1 contributions outstanding: a worker that has
 contributed to the current version waits inside its next one (`Exchange.wait_turn`)
-and computes on the next version as soon as it exists.
+and computes on the next version as soon as it exists. So nothing may join the
+coordinator while an epoch runs (it would wait for contributions that wait for the
+next update): `SyncTraining.drain` is the join.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -44,9 +47,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import tf_internal
+from app import indexed, tf_internal
 from app.distribute.ps import deferral
-from app.distribute.ps.exchange import Exchange
+from app.distribute.ps.exchange import PART_PENDING, PART_TAKEN, Exchange
 from app.distribute.ps.straggler import Straggler, straggle
 from app.state import backup as backups
 
@@ -59,12 +62,14 @@ PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """A sync run's shape: its workers, the backups an update does not wait for, a
-    straggler (`debug.slow_worker`), and the dtype gradients travel in."""
+    straggler (`debug.slow_worker`), the dtype gradients travel in, and how many parts
+    an epoch has when contributions read their examples by index (`ByIndex`)."""
 
     num_workers: int
     backup_workers: int = 0
     straggler: Straggler | None = None
     push_dtype: tf.DType | None = None
+    parts: int = 0  # of an epoch, when contributions read their examples by index
 
     @property
     def required(self) -> int:
@@ -82,29 +87,34 @@ class SyncTraining:
         self.path, self.settings = path, settings
         self.exchange = Exchange(settings.num_workers, settings.required, PS0,
                                  model.trainable_variables, path.tf_variable,
-                                 settings.push_dtype)
+                                 settings.push_dtype, settings.parts)
         self.update = tf.function(self._update)
         self.poll = tf.function(self._poll)
 
     # -- a worker's contribution -------------------------------------------------------------
 
-    def contribute(self, read: Callable[[], Any]) -> None:
-        """Inside a function a worker runs: one contribution, on the batch `read()` gives,
-        once the worker's turn comes (deposited unless the chief drains meanwhile)."""
+    def contribute(self, read: Callable[[], Any], part: tf.Tensor | None = None) -> None:
+        """Inside a function a worker runs: one contribution, on the batch `read()` gives
+        (part `part` of the epoch, if numbered), once the worker's turn comes (deposited
+        unless the chief drains meanwhile)."""
         exchange = self.exchange
         worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
                          tf.int32)
         turn = exchange.wait_turn(worker)
         with tf.control_dependencies([turn]):
-            trace = self._contribute(worker, read)
-        with tf.control_dependencies([trace.deposited] if trace.deposited is not None else []):
+            trace = self._contribute(worker, read, part)
+        after = [trace.deposited] if trace.deposited is not None else []
+        if part is not None:
+            after.append(exchange.finish(part, trace.deposited))
+        with tf.control_dependencies(after):
             exchange.ended.assign_add(1, read_value=False)
 
-    def _contribute(self, worker: tf.Tensor, read: Callable[[], Any]) -> deferral.Trace:
+    def _contribute(self, worker: tf.Tensor, read: Callable[[], Any],
+                    part: tf.Tensor | None = None) -> deferral.Trace:
         """Read the version, run the train step on `read()`, deposit its gradients."""
         version, started = self.exchange.version.read_value(), tf.timestamp()
         trace = deferral.Trace(tf.compat.v1.get_default_graph())
-        deposit = functools.partial(self._deposit, trace, version, worker, started)
+        deposit = functools.partial(self._deposit, trace, version, worker, started, part)
 
         def step(batch):
             # Every read of the model's variables comes after the version's (see
@@ -120,7 +130,7 @@ class SyncTraining:
             self.coordinator.strategy.run(step, args=(batch,))
         return trace
 
-    def _deposit(self, trace: deferral.Trace, version, worker, started, grads: list,
+    def _deposit(self, trace: deferral.Trace, version, worker, started, part, grads: list,
                  variables: list) -> None:
         trace.applies += 1
         graph = tf.compat.v1.get_default_graph()
@@ -132,7 +142,7 @@ class SyncTraining:
         straggler = self.settings.straggler
         if straggler:
             grads = straggle(grads, worker == straggler.worker, straggler.factor, started)
-        done = self.exchange.deposit(grads, variables, version, worker)
+        done = self.exchange.deposit(grads, variables, version, worker, part)
         # In a nested function (a train_step of its own under tf.function) the deposit's
         # op stays there: the contribution is then counted as ended without waiting for it.
         trace.deposited = done if graph is trace.graph else None
@@ -179,13 +189,60 @@ class SyncTraining:
 # -- the loop ------------------------------------------------------------------------------
 
 
-def fit(training: SyncTraining, read: Callable[..., Any], args: Callable[[], tuple],
-        keras, *, epochs: int, steps_per_epoch: int, callbacks: list, verbose,
-        backup: SyncBackup) -> tuple[Any, dict]:
+class Pipelines:
+    """Contributions read the next batch of their worker's own pipeline (`dataset_fn`,
+    one per worker): no part of an epoch is tied to a contribution."""
+
+    parts = 0
+
+    def __init__(self, coordinator, dataset_fn):
+        strategy = coordinator.strategy
+        self.iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+
+    def args(self, part: int | None) -> tuple:
+        return (self.iterator,)
+
+    def read(self, iterator) -> Any:
+        return next(iterator)
+
+    def part(self, iterator) -> None:
+        return None
+
+
+class ByIndex:
+    """Contributions read their examples by index (`app.indexed`): contribution j of
+    epoch e trains on part j of the epoch, the (j % N)-th N-th of global batch j // N
+    (N = the contributions an update takes), its examples those of the same global
+    batch under any other strategy. A part whose contribution was dropped is handed
+    out again, so every example trains once per epoch (`Exchange.dropped`)."""
+
+    def __init__(self, coordinator, source: indexed.Source, order: indexed.Order,
+                 required: int):
+        # The global batches' order, cut into parts: the same permutation and positions.
+        self.source, self.order = source, dataclasses.replace(
+            order, batch=order.batch // required, steps_per_epoch=order.steps_per_epoch * required)
+        self.parts = self.order.steps_per_epoch
+        self.loaded = (iter(coordinator.create_per_worker_dataset(
+            lambda: indexed.loaded_dataset(source))) if source.load else None)
+
+    def args(self, part: int) -> tuple:
+        return (tf.constant(part, tf.int64), self.loaded)
+
+    def read(self, part: tf.Tensor, loaded) -> Any:
+        return indexed.batch(self.source, self.order, None if loaded is None else next(loaded),
+                             part)
+
+    def part(self, part: tf.Tensor, loaded) -> tf.Tensor:
+        return part % self.parts  # its number within the epoch
+
+
+def fit(training: SyncTraining, source: Pipelines | ByIndex, keras, *, epochs: int,
+        steps_per_epoch: int, callbacks: list, verbose, backup: SyncBackup) -> tuple[Any, dict]:
     """Train `epochs` x `steps_per_epoch` synchronous updates, `keras`' callbacks (and
     its progress bar, by `verbose` as in fit()) called as under fit(): a batch is an
-    update. Each contribution runs `read(*args())` on its worker for its batch. An
-    interrupted run goes on from `backup`, saved as the asynchronous loop's is.
+    update. Each contribution reads its batch from `source`. An interrupted run goes on
+    from `backup`, saved as the asynchronous loop's is.
 
     Returns the history and the figures of metrics.json.
     """
@@ -195,7 +252,7 @@ def fit(training: SyncTraining, read: Callable[..., Any], args: Callable[[], tup
 
     @tf.function
     def contribution(*inputs):
-        training.contribute(lambda: read(*inputs))
+        training.contribute(lambda: source.read(*inputs), source.part(*inputs))
 
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
@@ -204,14 +261,15 @@ def fit(training: SyncTraining, read: Callable[..., Any], args: Callable[[], tup
     first_epoch, first_step = backup.restore()
     model.stop_training = False
 
-    def schedule():
+    def schedule(part: int | None) -> None:
         # In the strategy's scope, as the first trace of tf_keras' train step must be;
         # the update is not (Keras applies from the default replica context there).
         with coordinator.strategy.scope():
-            coordinator.schedule(contribution, args=args())
+            coordinator.schedule(contribution, args=source.args(part))
 
+    parts = _Parts(training.exchange, source.parts) if source.parts else None
     try:
-        _epochs(training, _Scheduler(training, schedule), callback_list, backup,
+        _epochs(training, _Scheduler(training, schedule, parts), callback_list, backup,
                 range(first_epoch, epochs), first_step, steps_per_epoch)
     except BaseException:
         # Nothing scheduled may run on after this run, into the next one's restore.
@@ -233,7 +291,9 @@ def _epochs(training: SyncTraining, schedule: _Scheduler, callback_list, backup:
     for epoch in epochs:
         model.reset_metrics()
         callback_list.on_epoch_begin(epoch)
-        for index in range(first_step if epoch == epochs.start else 0, steps_per_epoch):
+        first = first_step if epoch == epochs.start else 0
+        schedule.begin(epoch, resumed=first > 0)
+        for index in range(first, steps_per_epoch):
             callback_list.on_train_batch_begin(index)
             schedule.until_ready()
             training.update(tf.constant(index + 1 == steps_per_epoch))
@@ -251,6 +311,31 @@ def _epochs(training: SyncTraining, schedule: _Scheduler, callback_list, backup:
             break
 
 
+class _Parts:
+    """The chief's queue of an epoch's parts to hand out (`ByIndex`): every part not
+    taken yet, then the ones whose contribution was dropped, as they are."""
+
+    def __init__(self, exchange: Exchange, per_epoch: int):
+        self.exchange, self.per_epoch = exchange, per_epoch
+        self.dropped = tf.function(exchange.dropped)
+        self.epoch, self.pending = 0, collections.deque()
+
+    def begin(self, epoch: int, resumed: bool) -> None:
+        """A new epoch: every part pending; resumed mid-epoch, those the backup does not
+        hold as taken."""
+        states = self.exchange.parts.numpy() if resumed else np.zeros(self.per_epoch, np.int32)
+        taken = states == PART_TAKEN
+        self.exchange.parts.assign(np.where(taken, PART_TAKEN, PART_PENDING).astype(np.int32))
+        self.epoch, self.pending = epoch, collections.deque(np.flatnonzero(~taken).tolist())
+
+    def next(self) -> int | None:
+        """The number of the next part to hand out (over all epochs), or None while every
+        part left is out with a contribution."""
+        if not self.pending:
+            self.pending.extend(self.dropped().numpy().tolist())
+        return self.epoch * self.per_epoch + self.pending.popleft() if self.pending else None
+
+
 class _Scheduler:
     """Keeps workers + 1 contributions outstanding until the current version has the
     contributions its update needs: every worker has one to run (or to wait in) and
@@ -258,11 +343,15 @@ class _Scheduler:
     from the chief stalls that task's requests from the workers in a multi-process
     cluster (the deposits it waits for)."""
 
-    def __init__(self, training: SyncTraining, schedule: Callable[[], Any],
-                 poll_s: float = 0.001):
-        self.training, self.schedule, self.poll_s = training, schedule, poll_s
+    def __init__(self, training: SyncTraining, schedule: Callable[[int | None], Any],
+                 parts: _Parts | None, poll_s: float = 0.001):
+        self.training, self.schedule, self.parts, self.poll_s = training, schedule, parts, poll_s
         self.scheduled = int(training.exchange.ended.numpy())
         self.outstanding = training.settings.num_workers + 1
+
+    def begin(self, epoch: int, resumed: bool) -> None:
+        if self.parts:
+            self.parts.begin(epoch, resumed)
 
     def until_ready(self) -> None:
         required = self.training.settings.required
@@ -273,7 +362,10 @@ class _Scheduler:
                 return
             coordinator.done()  # raises the error of a contribution that failed
             for _ in range(self.outstanding - (self.scheduled - ended)):
-                self.schedule()
+                part = self.parts.next() if self.parts else None
+                if self.parts and part is None:
+                    break
+                self.schedule(part)
                 self.scheduled += 1
             time.sleep(self.poll_s)
 
@@ -297,7 +389,8 @@ class SyncBackup(backups.Backup):
         exchange = training.exchange
         self.training = training
         self.track(model=training.model, optimizer=training.model.optimizer,
-                   version=exchange.version, pushed=exchange.pushed, taken=exchange.taken)
+                   version=exchange.version, pushed=exchange.pushed, taken=exchange.taken,
+                   parts=exchange.parts)
 
     def resumed(self, path: str) -> None:
         log.info("resumed from %s: epoch %d, step %d, version %d", path,
