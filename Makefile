@@ -71,7 +71,7 @@ slurm-cluster-stop:
 	$(PYTHON) -m launch.slurm.local_cluster stop --dir $(SLURM_DIR)
 
 lint: install
-	$(PY) -m ruff check app launch tools tests examples
+	$(PY) -m ruff check app launch tools tests examples experiments
 
 # docs/configuration.md from the config dataclasses (tests/test_configdoc.py checks it)
 docs: install

@@ -12,8 +12,9 @@ import logging
 import tensorflow as tf
 
 from app import tf_internal
-from app.cluster.tf_config import Cluster
-from app.config import Config, ConfigError, RuntimeConfig, SyncConfig
+from app.cluster.tf_config import Cluster, wait_for_tasks
+from app.config import Config, ConfigError, PSConfig, RuntimeConfig, SyncConfig
+from app.distribute.ps.variables import partitioner
 
 log = logging.getLogger(__name__)
 
@@ -100,12 +101,19 @@ def create(name: str, cluster: Cluster | None = None,
         log.info("MirroredStrategy over %s", ", ".join(devices))
         return tf.distribute.MirroredStrategy(devices)
     if choice == "parameter_server":
-        from app.distribute.ps import server as parameter_server
-
-        return parameter_server.create(cluster, config.ps, config.cluster.connect_timeout_s)
+        return parameter_server(cluster, config.ps, config.cluster.connect_timeout_s)
     if choice == "multi_worker_mirrored":
         return _multi_worker(cluster, config.sync)
     raise ConfigError(f"Unrecognized strategy {choice!r}")
+
+
+def parameter_server(cluster: Cluster, ps: PSConfig,
+                     connect_timeout_s: float) -> tf.distribute.Strategy:
+    """The chief's strategy, once every ps and worker task answers (they serve it:
+    `app.cluster.serving`), its variables split by `variables.partitioner`."""
+    wait_for_tasks(cluster, connect_timeout_s, jobs=("ps", "worker"))
+    return tf.distribute.ParameterServerStrategy(
+        cluster.resolver(), variable_partitioner=partitioner(ps, cluster.num_ps))
 
 
 def _multi_worker(cluster: Cluster | None, sync: SyncConfig) -> tf.distribute.Strategy:
@@ -171,7 +179,7 @@ def input_options(strategy: tf.distribute.Strategy) -> tf.distribute.InputOption
 def describe(strategy: tf.distribute.Strategy) -> str:
     """The strategy's public class name (the default one's class is private)."""
     if isinstance(strategy, tf.distribute.ParameterServerStrategy):
-        return "ParameterServerStrategy"  # also for app.distribute.ps.server's subclass
+        return "ParameterServerStrategy"  # also for a subclass of it
     if isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy):
         return "MultiWorkerMirroredStrategy"  # not its implementation class's name
     name = type(strategy).__name__

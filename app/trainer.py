@@ -20,7 +20,8 @@ from app import data, dialects, indexed
 from app import task as tasks
 from app.config import Config, ConfigError
 from app.distribute import data_service
-from app.run import callbacks, determinism, runners
+from app.run import callbacks, determinism, optimizers, runners
+from app.state import workdir as workdirs
 from app.state.workdir import METRICS_FILE, ExportFailed, resume_shape, storage_error, write_json
 from app.task import Task
 
@@ -29,12 +30,19 @@ log = logging.getLogger(__name__)
 
 def run(config: Config, workdir: pathlib.Path, *,
         strategy: tf.distribute.Strategy | None = None, task: Task | None = None,
-        cluster=None) -> dict[str, Any]:
-    """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`."""
+        cluster=None, prepare: bool = False) -> dict[str, Any]:
+    """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`.
+
+    `prepare`: first create `workdir` and write config.toml there (`workdir.prepare`,
+    as `python -m app.train` does), once the strategy and every setting of the run
+    have been checked, so that a mistake leaves nothing written.
+    """
     if task is None:
         task, config = tasks.create(config)
     runner = runners.create(config, cluster, strategy)
     runner.check()  # before anything is written
+    if prepare:
+        workdirs.prepare(pathlib.Path(workdir), config)
     steps_per_epoch = _steps_per_epoch(config, task)
     # Keras' dtype policy is global; it applies to every layer built during the run.
     restore_precision = dialects.set_precision(config.train.precision)
@@ -60,7 +68,8 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     log.info("%s: %d replica(s), task %s, %d steps per epoch", runner.name, runner.num_replicas,
              config.task.name, steps_per_epoch)
     reading = _input(config, task, runner, steps_per_epoch)
-    model = runner.build(task, lambda dialect: optimizer(config, task, steps_per_epoch, dialect))
+    model = runner.build(
+        task, lambda dialect: optimizers.optimizer(config, task, steps_per_epoch, dialect))
     for line in runner.report():
         log.info("%s", line)
     evaluate = runner.evaluator(model, task)
@@ -247,29 +256,6 @@ def summary_line(metrics: dict[str, Any]) -> str:
             f"batch={metrics['global_batch_size']} "
             f"train_examples_per_sec={metrics['train_examples_per_sec']:.0f} "
             f"wall_seconds={metrics['wall_seconds']:.1f}")
-
-
-def optimizer(config: Config, task: Task, steps_per_epoch: int, dialect):
-    """The task's own optimizer, else `train.optimizer`, in the task's Keras (`dialect`)."""
-    lr = learning_rate(config, steps_per_epoch, dialect)
-    own = task.optimizer(lr)
-    if own is not None:
-        return own
-    return dialect.optimizer(config.train.optimizer, lr, config.sync, config.ps)
-
-
-def learning_rate(config: Config, steps_per_epoch: int, dialect) -> Any:
-    """The learning rate, or its schedule over optimizer steps."""
-    t = config.train
-    schedules = dialect.schedules()
-    if t.lr_schedule == "cosine":
-        return schedules.CosineDecay(
-            t.learning_rate, decay_steps=t.epochs * steps_per_epoch, alpha=t.final_lr_fraction)
-    if t.lr_schedule == "cosine_restarts":
-        return schedules.CosineDecayRestarts(
-            t.learning_rate, first_decay_steps=t.lr_cycle_epochs * steps_per_epoch,
-            t_mul=1.0, m_mul=t.lr_cycle_decay, alpha=t.final_lr_fraction)
-    return t.learning_rate
 
 
 def _history(history) -> list[dict[str, float]]:

@@ -5,7 +5,7 @@ mean, and `--restart task`, which relaunches a failed task alone.
 under `restartPolicy: ExitCode`: the same command, the same TF_CONFIG and so the
 same port, while the other tasks keep running. It needs parameter servers: a
 restarted chief reconnects to the ps and workers that kept serving
-(`app.distribute.ps.server.serve` waits for a chief that left without finishing)
+(`app.cluster.serving.serve` waits for a chief that left without finishing)
 and resumes from the backup; a restarted worker is taken back by the chief's
 ClusterCoordinator; a lost ps fails the chief (its variables are gone), which
 is then restarted too and resumes from the backup.
@@ -39,6 +39,12 @@ EXIT_CODES = {2: "configuration or storage error", TaskLost.exit_code: "a task w
               ExportFailed.exit_code: "trained, but the export failed"}
 # Out of memory again with the same limit; an export that failed after a finished run.
 NOT_RETRIED = (0, 2, OUT_OF_MEMORY, ExportFailed.exit_code)
+
+
+def not_retried() -> str:
+    """The failures no relaunch follows, for the launchers' help: "2 (...), 5 (...) and 6 (...)"."""
+    codes = [f"{code} ({EXIT_CODES[code]})" for code in NOT_RETRIED if code]
+    return ", ".join(codes[:-1]) + " and " + codes[-1]
 
 
 class Process:

@@ -29,6 +29,7 @@ import tensorflow as tf
 from app import config as cfg
 from app import dialects, trainer
 from app import task as tasks
+from app.run import optimizers
 from app.state.workdir import CHECKPOINT_DIR
 from tools import compatdoc
 
@@ -120,7 +121,7 @@ def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
         model(next(iter(test))[0])  # (features, labels[, sample weights])
         # The run's optimizer, built: a Keras 3 model's checkpoint holds its optimizer,
         # which the restore matches with the model's.
-        optimizer = trainer.optimizer(config, task, 1, dialects.of(model, task))
+        optimizer = optimizers.optimizer(config, task, 1, dialects.of(model, task))
         optimizer.build(model.trainable_variables)
         model.compile(optimizer=optimizer, loss=task.loss(), metrics=task.metrics(),
                       loss_weights=task.loss_weights(), weighted_metrics=task.weighted_metrics())

@@ -1,6 +1,6 @@
 """A task whose examples are numbered and whose model counts how often it trained on
 each: metrics.json then says what an epoch saw (tests/test_data_service.py,
-examples/visitation.py).
+experiments/visitation.py).
 
 The training data is the numbers 0 .. PASSES * examples - 1 in order: numbers
 below `examples` are the first epoch's examples, the rest stand for the epochs

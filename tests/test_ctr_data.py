@@ -10,7 +10,7 @@ import tf_keras as keras
 from app.tasks import ctr_data, dlrm
 
 # The first examples of [0, 30M) (data seed 0) one of whose 13 dense draws has its
-# low 24 bits all ones: `python examples/recommender_bisect.py scan` lists them.
+# low 24 bits all ones: `python experiments/recommender_bisect.py scan` lists them.
 TOP_DRAWS = (4_576_485, 4_958_133, 5_296_078)
 
 

@@ -7,7 +7,7 @@ import tf_keras as keras
 
 from app import config as cfg
 from app import dialects, strategy, trainer
-from app.run import callbacks
+from app.run import callbacks, optimizers
 from app.state import workdir as workdirs
 from tests.conftest import one_device_reduction_mirrored, tiny_task
 
@@ -43,6 +43,9 @@ def test_mirrored_run_reports_metrics_and_writes_artifacts(mirrored_run):
     assert json.loads((workdir / workdirs.SHAPE_FILE).read_text()) == {
         "strategy": "MirroredStrategy", "workers": 1, "ps": 0, "replicas": 2}
     assert list((workdir / "tensorboard").glob("train/events.out.tfevents.*"))
+    # Nothing that docs/outputs.md does not list (it lists workdirs.LAYOUT: tests/test_docs.py).
+    written = {path.name + "/" * path.is_dir() for path in workdir.iterdir()}
+    assert written <= set(workdirs.LAYOUT), written - set(workdirs.LAYOUT)
 
 
 def test_test_accuracy_counts_every_test_image_exactly_once(mirrored_run):
@@ -120,7 +123,7 @@ def test_throughput_without_enough_steps_is_zero():
 def test_cosine_restarts_anneal_every_epoch_from_a_decaying_peak(dialect):
     config = cfg.load(None, ["train.lr_schedule=cosine_restarts", "train.learning_rate=0.01",
                              "train.final_lr_fraction=0.01", "train.lr_cycle_decay=0.5"])
-    lr = trainer.learning_rate(config, steps_per_epoch=100, dialect=dialect)
+    lr = optimizers.learning_rate(config, steps_per_epoch=100, dialect=dialect)
     assert float(lr(0)) == pytest.approx(0.01)
     assert float(lr(99)) < 0.0002  # annealed by the end of the first epoch
     # Restarts at half the previous peak (Keras decays the cosine part, not the floor).
@@ -132,7 +135,7 @@ def test_cosine_restarts_anneal_every_epoch_from_a_decaying_peak(dialect):
 def test_cosine_decays_once_over_the_whole_run(dialect):
     config = cfg.load(None, ["train.lr_schedule=cosine", "train.epochs=4",
                              "train.learning_rate=0.01", "train.final_lr_fraction=0.1"])
-    lr = trainer.learning_rate(config, steps_per_epoch=10, dialect=dialect)
+    lr = optimizers.learning_rate(config, steps_per_epoch=10, dialect=dialect)
     assert float(lr(0)) == pytest.approx(0.01)
     assert float(lr(20)) == pytest.approx(0.01 * (0.1 + 0.9 * 0.5))
     assert float(lr(40)) == pytest.approx(0.001)

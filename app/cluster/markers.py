@@ -4,7 +4,7 @@ it failed for good.
 `tell_finished` leaves `finished_marker` on every ps and worker task, written
 by TF on that task's own device; `tell_failed` leaves the same marker holding
 the chief's exit code and error (`chief_failure.tell`).
-`app.distribute.ps.server.serve` waits for it.
+`app.cluster.serving.serve` waits for it.
 """
 
 from __future__ import annotations

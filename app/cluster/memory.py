@@ -183,18 +183,11 @@ def message(error: BaseException, label: str, gib: float) -> str:
     what = (f"allocating a tensor of shape [{tensor[1]}]" if tensor
             else f"{type(error).__name__} {str(error).strip()[:120]}".strip())
     return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
-            f"spread the tables (python -m tools.plan --memory-limit-gib {gib:g} says how many); "
+            f"spread the tables (python -m tools.plan --config <the run's config> "
+            f"--memory-limit-gib {gib:g} says how many); "
             f"exit code {EXIT_CODE}")
 
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (the kernel's VmHWM)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def human_size(num_bytes: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if num_bytes < 1024 or unit == "GiB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1024
-    return ""

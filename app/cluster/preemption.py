@@ -8,10 +8,12 @@ backups themselves are written by the subclasses of `app.state.backup.Backup`
 (Keras' fit, the loop on a coordinator, ps.mode = sync); this module holds the
 signal side.
 
-Exit codes of `python -m app.train`: 0 done, 2 a configuration or storage
-mistake (retrying cannot help), 203 a lost task (`cluster.TaskLost`), 204
-preempted with the backup saved. Launchers retry 203 and 204, and so does
-Kubeflow's `restartPolicy: ExitCode` (it retries 128..255 only).
+Exit codes of `python -m app.train` (docs/troubleshooting.md has the table): 0 done,
+1 an error the code does not anticipate (a traceback), 2 a configuration or storage
+mistake, 5 out of `runtime.memory_limit_gib`, 6 the export failed, 203 a lost task
+(`tf_config.TaskLost`), 204 preempted with the backup saved. Retrying cannot help 2,
+5 or 6; launchers retry the others, and Kubeflow's `restartPolicy: ExitCode` retries
+203 and 204 (it retries 128..255 only).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from app.cluster.tf_config import TaskLost
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see cluster.TaskLost
+EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see tf_config.TaskLost
 
 
 class Preempted(TaskLost):
@@ -142,7 +144,7 @@ def outlive_the_chief() -> Callable[[], bool]:
     returns whether it came.
 
     These tasks stop by themselves once the chief has gone
-    (`app.distribute.ps.server.serve`). When a whole job is asked to stop (SLURM's
+    (`app.cluster.serving.serve`). When a whole job is asked to stop (SLURM's
     time limit, a node drain), dying at once would take with them the
     variables (ps) and the steps in flight (workers) that the chief's backup
     needs; the chief saves, exits, and they follow with `EXIT_CODE`, so that

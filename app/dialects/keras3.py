@@ -82,7 +82,7 @@ def _fused_adam(adam: keras.optimizers.Adam) -> keras.optimizers.Adam:
     as Keras 2's Adam's are.
 
     Keras 3.15's Adam writes its update as ten elementwise ops, each a pass over
-    the variable or a slot (`python examples/step_ops.py`): the MNIST CNN's step
+    the variable or a slot (`python experiments/step_ops.py`): the MNIST CNN's step
     took 16% more CPU under Mirrored than Keras 2's. The kernel computes the same
     formula in one pass. Sparse gradients and amsgrad keep Keras' own update.
     Set on the instance, not a subclass: the optimizer saved in `model.keras`

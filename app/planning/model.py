@@ -48,8 +48,9 @@ def build(config: cfg.Config) -> Built:
     """Build `config`'s model and optimizer, recording every variable's creation."""
     import tensorflow as tf
 
-    from app import dialects, tf_internal, trainer
+    from app import dialects, tf_internal
     from app import task as tasks
+    from app.run import optimizers
 
     created: list[tf.Variable] = []
 
@@ -68,7 +69,7 @@ def build(config: cfg.Config) -> Built:
     with tf.variable_creator_scope(record):
         model = task.build_model()
         dialect = dialects.of(model, task)
-        optimizer = trainer.optimizer(config, task, steps_per_epoch=1, dialect=dialect)
+        optimizer = optimizers.optimizer(config, task, steps_per_epoch=1, dialect=dialect)
         optimizer.build(model.trainable_variables)
     return Built(config, task, model, optimizer, created, dialect)
 

@@ -12,8 +12,8 @@ from collections.abc import Iterable
 import numpy as np
 import tensorflow as tf
 
-from app.cluster.memory import human_size
 from app.config import ConfigError, PSConfig
+from app.units import human_size
 
 
 def partitioner(ps: PSConfig, num_ps: int

@@ -1,11 +1,10 @@
-"""Parameter-server training's servers: the strategy the chief connects with, and
-the ps and worker tasks that serve it.
+"""A ps or worker task's life in a parameter-server cluster: its TF server, started in
+its own process, serving the chief until the chief says that it has finished, or that
+it failed for good (app/cluster/markers.py), and the exit codes of a task whose chief
+does not come back (203) or that is asked to stop (204).
 
-`create` gives the chief a `ParameterServerStrategy` with a variable
-partitioner (`variables.partitioner`), after checking that every `ps` and
-`worker` task answers within `cluster.connect_timeout_s`. `serve` runs a ps or
-worker task until the chief says that it has finished, or that it failed for
-good (app/cluster/markers.py).
+The chief's side, the strategy that connects to these servers, is
+`app.strategy.parameter_server`.
 """
 
 from __future__ import annotations
@@ -20,22 +19,15 @@ import tensorflow as tf
 
 from app.cluster import chief_failure, preemption
 from app.cluster.markers import FAILED, finished_marker
-from app.cluster.tf_config import Cluster, TaskLost, wait_for_tasks
-from app.config import PSConfig, RuntimeConfig
-from app.distribute.ps.variables import partitioner
+from app.cluster.tf_config import Cluster, TaskLost
+from app.config import RuntimeConfig
 
 log = logging.getLogger(__name__)
 
 
-def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distribute.Strategy:
-    """The chief's strategy, once every ps and worker task answers."""
-    wait_for_tasks(cluster, connect_timeout_s, jobs=("ps", "worker"))
-    return tf.distribute.ParameterServerStrategy(
-        cluster.resolver(), variable_partitioner=partitioner(ps, cluster.num_ps))
-
-
 def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
-          stopping: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> None:
+          stopping: Callable[[], bool] = lambda: False, poll_s: float = 1.0,
+          finished: Callable[[], bool] = lambda: False) -> None:
     """Serve this ps or worker task until the chief has finished.
 
     The chief connects to the cluster at its own address, so a task can see it
@@ -50,6 +42,14 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
     it connected, in the mark after): `ChiefFailed`, with the chief's exit code.
     After SIGTERM (`stopping()`), the task stops once the chief has gone:
     `Preempted` (exit 204), retried as the chief's own exit.
+
+    A task started (or restarted) as the chief finishes may get no mark: the
+    chief's TensorFlow knows the task's earlier process ("unknown device"), or
+    the task was down when it wrote. So a chief gone while `finished()` (the
+    run's workdir holds its metrics.json, written before the chief lets its
+    tasks go) has finished too. A chief that refuses a workdir finished by an
+    earlier job says so on its port first (`chief_failure`), within a second of
+    its start, before a task has its server up to ask.
     """
     address = cluster.jobs[cluster.task_type][cluster.task_index]
     marker = finished_marker(address)
@@ -78,6 +78,10 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
             if said.startswith(FAILED):
                 raise chief_failure.failed(chief, said.removeprefix(FAILED), cluster.label)
             log.info("the chief has finished; stopping")
+            return
+        elif finished():
+            log.info("the chief has gone and the run has finished (its workdir holds "
+                     "metrics.json); stopping")
             return
         elif stopping():
             raise preemption.serving_preempted(cluster.label, chief_seen=seen)

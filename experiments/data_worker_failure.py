@@ -6,7 +6,7 @@ Both runs: `launch.local --workers 2 --ps 1 --data-workers 2 --restart task
 data_worker:0 is SIGKILLed once the chief has logged step KILL_AT, and
 relaunched alone. Test accuracy of each, from metrics.json.
 
-    python examples/data_worker_failure.py --out docs/results/data_service_accuracy.json
+    python experiments/data_worker_failure.py --out docs/results/data_service_accuracy.json
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python examples/data_worker_failure.py " + " ".join(
+        "command": "python experiments/data_worker_failure.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "kill_at_step": KILL_AT, "rows": rows,
         "difference_points": difference}, indent=1) + "\n")

@@ -1,8 +1,8 @@
 """The ops of one training step, by type, in Keras 2 and Keras 3: where a Keras 3
 step's extra work is (docs/benchmarks.md, "Keras 3 beside Keras 2").
 
-    python examples/step_ops.py                      # MirroredStrategy on 2 logical CPUs
-    python examples/step_ops.py --strategy default   # one device
+    python experiments/step_ops.py                      # MirroredStrategy on 2 logical CPUs
+    python experiments/step_ops.py --strategy default   # one device
 
 Builds the MNIST task's model (the bench's settings: the CNN, Adam, batch 32)
 in each Keras under the strategy, runs two steps of `fit`, and counts the ops
@@ -19,8 +19,9 @@ import inspect
 import tensorflow as tf
 
 from app import config as cfg
-from app import dialects, trainer
+from app import dialects
 from app import task as tasks
+from app.run import optimizers
 
 SETTINGS = ["runtime.onednn=false", "task.source=synthetic", "task.train_examples=640",
             "task.validation_examples=0", "task.test_examples=32", "train.verbose=0"]
@@ -33,7 +34,7 @@ def step_ops(keras_name: str, strategy: tf.distribute.Strategy) -> collections.C
     with strategy.scope():
         model = task.build_model()
         dialect = dialects.of(model, task)
-        model.compile(optimizer=trainer.optimizer(config, task, 2, dialect), loss=task.loss(),
+        model.compile(optimizer=optimizers.optimizer(config, task, 2, dialect), loss=task.loss(),
                       metrics=task.metrics())
     dataset = strategy.distribute_datasets_from_function(
         lambda context: task.train_dataset(context, config.train.global_batch_size).repeat())

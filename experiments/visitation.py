@@ -19,10 +19,10 @@ examples of the next epoch were read early.
   often the step the dead worker held runs again after its update (or part of
   it) had reached the ps: an update applied twice.
 
-    python examples/visitation.py --out docs/results/visitation.json         # ~15 min
-    python examples/visitation.py --window 10 --out docs/results/visitation_window.json
-    python examples/visitation.py --by-index-table --out docs/results/visitation_by_index.json
-    python examples/visitation.py --table docs/results/visitation_by_index.json  # a table
+    python experiments/visitation.py --out docs/results/visitation.json         # ~15 min
+    python experiments/visitation.py --window 10 --out docs/results/visitation_window.json
+    python experiments/visitation.py --by-index-table --out docs/results/visitation_by_index.json
+    python experiments/visitation.py --table docs/results/visitation_by_index.json  # a table
 
 (the window's runs take ~8 min, the by-index table's ~20 min).
 """
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out or f"runs/visitation{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
-        "command": "python examples/visitation.py " + " ".join(
+        "command": "python experiments/visitation.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "machine": machine(), "table": which,
         "examples": EXAMPLES, "batch": BATCH, "kill_at_step": KILL_AT,

@@ -1,8 +1,8 @@
 """The recommender's learning curve: the test AUC's gap to the Bayes ceiling against
 the examples of one pass, for ids from Zipf laws of exponent 2.0 and 1.05.
 
-    python examples/recommender_learning_curve.py
-    python examples/recommender_learning_curve.py --examples 30000000 --zipf 2.0
+    python experiments/recommender_learning_curve.py
+    python experiments/recommender_learning_curve.py --examples 30000000 --zipf 2.0
 
 Each point trains configs/recommender_large.toml's model in one process on
 examples [0, n): tables at 1% of Criteo's sizes (task.table_scale = 0.01), one
@@ -151,7 +151,7 @@ def main() -> None:
     json_path = OUT.with_suffix(".json")
     record = json.loads(json_path.read_text()) if json_path.exists() else {"points": []}
     record.update({
-        "command": "python examples/recommender_learning_curve.py " + " ".join(sys.argv[1:]),
+        "command": "python experiments/recommender_learning_curve.py " + " ".join(sys.argv[1:]),
         "settings": "configs/recommender_large.toml with " + " ".join(SETTINGS),
         "machine": {"cpu": "AMD EPYC", "cores": 2, "gpus": 0}})
     for zipf in (float(z) for z in args.zipf.split(",")):

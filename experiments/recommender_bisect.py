@@ -1,9 +1,9 @@
 """Why more data trained a worse recommender (issue 35): the experiments, as commands.
 
-    python examples/recommender_bisect.py reference              # generator vs its definition
-    python examples/recommender_bisect.py scan --stop 30000000   # draws that reached 1.0
-    python examples/recommender_bisect.py step [--old-uniform]   # one step on such a batch
-    python examples/recommender_bisect.py windows --offsets 0,5000000 [--old-uniform]
+    python experiments/recommender_bisect.py reference              # generator vs its definition
+    python experiments/recommender_bisect.py scan --stop 30000000   # draws that reached 1.0
+    python experiments/recommender_bisect.py step [--old-uniform]   # one step on such a batch
+    python experiments/recommender_bisect.py windows --offsets 0,5000000 [--old-uniform]
 
 `reference` recomputes each example's 26 ids from the module's definition in
 plain Python (splitmix64 hashes, inverse-CDF Zipf draws, the id permutation)
