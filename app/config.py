@@ -232,9 +232,10 @@ class PSConfig:
     # With mode = "sync": the workers whose gradients an update does not wait
     # for (fewer than the workers).
     backup_workers: int = field(0, minimum=0)
-    # "fp16": in async mode each worker pushes its gradients to the ps tasks as
-    # float16, and the ps casts them back to float32 for the update: half the
-    # bytes of every push (the variables are still read as float32).
+    # "fp16": each worker pushes its gradients to the ps tasks as float16, and
+    # the ps casts them back to float32 for the update: half the bytes of every
+    # push (the variables are still read as float32); in sync mode the ps tasks
+    # also hold the workers' gradients as float16, half the memory.
     # "none": float32 both ways.
     compression: str = field("none", choices=("none", "fp16"))
     # In async mode, in the project's loop (a task read by index, any Keras 3 task):

@@ -20,6 +20,10 @@ these, only this module breaks, and only the runs that use it:
   (tests train one config after another in one process). If they move, that
   scope fails as it ends; the public way is to leave determinism on for the
   rest of the process.
+- `in_control_flow`: whether a graph being traced is a branch of `tf.cond` or a
+  loop of `tf.while_loop` (autograph's `if` and `for` on tensors): ps.mode = sync
+  refuses a train_step whose optimizer update runs there (`app.distribute.ps.sync`).
+  If it moves, that check fails on every sync run; there is no public way to ask.
 - `sharded_variable`, `tracked_list`: TensorFlow's ShardedVariable over variables
   made apart, and a list a checkpoint names the entries of, as tf_keras' optimizer
   saves its slots of a table's shards. If they move, the backup of Keras 3's loop
@@ -57,6 +61,18 @@ def sleep(microseconds: tf.Tensor) -> tf.Tensor:
     delay = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).apply(
         transformation(microseconds))
     return next(iter(delay))
+
+
+def in_control_flow(graph, outer) -> bool:
+    """Whether `graph`, traced within `outer`, is inside a `tf.cond` branch or a
+    `tf.while_loop` body or condition (TF 2.21 control_flow_v2_func_graphs.py)."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs as flow
+
+    while graph is not None and graph is not outer:
+        if isinstance(graph, flow.ControlFlowFuncGraph):
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
 
 
 def uninitialized_variable(shape, dtype, name=None, trainable=None):

@@ -75,7 +75,7 @@ def _train(config: Config, workdir: pathlib.Path, task: Task, runner: runners.Si
     evaluate = runner.evaluator(model, task)
     test_ds = data.exact(task.eval_dataset("test", config.eval.batch_size))
     throughput = callbacks.Throughput(config.train.global_batch_size,
-                                      coordinator=runner.coordinator)
+                                      coordinator=runner.batches_scheduled_on)
     outdir = runner.outdir(workdir)
     run_callbacks = callbacks.for_training(
         config, workdir, outdir, model, throughput, _evaluations(config, task, evaluate, test_ds),
@@ -146,10 +146,9 @@ def _input(config: Config, task: Task, runner: runners.SingleHost,
                  " (the task's examples by index are not read through the service)"
                  if source else "")
         return SERVICE
-    if source is None or not config.data.by_index or not runner.reads_by_index:
+    if source is None or not config.data.by_index:
         why = (f"task {config.task.name} gives only train_dataset" if source is None
-               else "data.by_index = false" if not config.data.by_index
-               else "ps.mode = sync reads the task's train_dataset")
+               else "data.by_index = false")
         log.info("input: a pipeline (%s); a failure or a resume re-reads or skips examples "
                  "(docs/tasks.md: Task.train_source)", why)
         return PIPELINE

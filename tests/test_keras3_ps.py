@@ -13,7 +13,6 @@ from app import trainer
 from app.dialects import keras3, keras3_ps
 from app.dialects.keras3_build import prebuild
 from app.planning import model as plan
-from app.run import runners
 from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.cluster
@@ -73,14 +72,6 @@ def test_the_steps_run_on_the_workers_and_the_table_is_looked_up_by_shard(ps_str
     rows = keras.ops.take(table.embeddings, tf.constant([0, 4095]), axis=0)
     parts = [part.numpy() for part in table.embeddings.value.variables]
     np.testing.assert_array_equal(rows.numpy(), [parts[0][0], parts[1][-1]])
-
-
-def test_sync_parameter_servers_refuse_a_keras3_model_by_name(ps_strategy, ps_cluster):
-    runner = runners.create(config("ps.mode=sync"), ps_cluster, ps_strategy)
-    with pytest.raises(cfg.ConfigError) as e:
-        runner.build(tiny_task(config()), lambda dialect: None)
-    assert str(e.value) == ("ps.mode = sync trains Keras 2 (tf_keras) models, and task Mnist "
-                            "builds a Keras 3 model; use ps.mode = async or MultiWorkerMirrored")
 
 
 def test_an_auc_evaluated_on_the_workers_is_the_one_keras_computes(ps_strategy):

@@ -2,6 +2,7 @@
 (app/planning/memory.py): a process over its limit fails with the named error and exit
 code 5; a cluster shape that cannot fit is refused before anything starts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -125,6 +126,23 @@ def test_plan_names_how_many_ps_tasks_would_fit(small_tables):
     assert all(nbytes <= memory.GIB for nbytes in fits.values()), fits
     # The chief holds no table: its peak is the same whatever the tables' size.
     assert fits["chief"] < memory.BASELINE_BYTES + plan_memory.COORDINATOR_BYTES + (8 << 20)
+
+
+def test_plan_counts_each_workers_dense_sync_slots_on_the_ps_tasks(small_tables):
+    # ps.mode = sync: each ps task also holds one dense slot per worker beside each
+    # trainable shard it holds, the tables' included.
+    sync = dataclasses.replace(small_tables, config=cfg.load(
+        "configs/recommender.toml", [*SMALL_TABLES, "ps.mode=sync"]))
+    placement, traffic = plan.place(small_tables, 4)
+    trainable = sum(traffic.trainable_bytes)
+    assert trainable == sum(v.shape.num_elements() * v.dtype.size
+                            for v in small_tables.model.trainable_variables)
+    before = plan_memory.check(small_tables, 4, 2, limit_gib=0, place=plan.place)
+    after = plan_memory.check(sync, 4, 2, limit_gib=0, place=plan.place)
+    added = {task: after[task] - before[task] for task in before}
+    assert sum(added.values()) == 2 * trainable and added["worker"] == added["chief"] == 0
+    # Async fits 1 GiB on 3 ps tasks (above); sync's 2 x 309 MiB of slots need more.
+    assert plan_memory.fewest_ps(sync, 2, limit_gib=1, place=plan.place) > 3
 
 
 def test_plan_without_ps_tasks_plans_the_fewest_that_fit(small_tables, capsys):

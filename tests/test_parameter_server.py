@@ -162,17 +162,6 @@ def test_fp16_push_casts_on_the_worker_and_back_on_the_ps(ps_strategy):
     assert back and all(d == v.device for d in back), (back, v.device)
 
 
-def test_fp16_push_in_sync_mode_is_refused(ps_strategy, ps_cluster, tmp_path):
-    settings = config("ps.compression=fp16", "ps.mode=sync")
-    with pytest.raises(cfg.ConfigError) as e:
-        trainer.run(settings, tmp_path, strategy=ps_strategy,
-                          cluster=ps_cluster, task=tiny_task(settings))
-    assert str(e.value) == ("ps.compression = fp16 applies to ps.mode = async; ps.mode = sync "
-                            "sends its gradients through accumulators in float32. Set one of "
-                            "them back")
-    assert list(tmp_path.iterdir()) == []
-
-
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_deterministic_is_refused_under_parameter_servers(mode, ps_strategy, ps_cluster,
                                                           tmp_path):

@@ -11,6 +11,7 @@ import tensorflow as tf
 from app import config as cfg
 from app import trainer
 from app.cluster import preemption
+from app.dialects import keras3
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.state import workdir
@@ -61,14 +62,18 @@ def test_fit_under_a_coordinator_resumes_mid_epoch(ps_strategy, ps_cluster, tmp_
 def _state(model, training) -> dict:
     """What a sync backup must bring back, read from the chief."""
     optimizer = model.optimizer
-    return {"weights": ps_variables.gather_weights(model),
-            "slots": [np.asarray(tf.convert_to_tensor(v)) for v in optimizer.variables()],
+    variables = optimizer.variables() if callable(optimizer.variables) else optimizer.variables
+    weights = model.get_weights() if keras3.owns(model) else ps_variables.gather_weights(model)
+    return {"weights": weights,
+            "slots": [np.asarray(v) if keras3.owns(v) else np.asarray(tf.convert_to_tensor(v))
+                      for v in variables],
             "iterations": int(optimizer.iterations.numpy()),
-            "version": int(training.version.numpy())}
+            "version": int(training.exchange.version.numpy())}
 
 
+@pytest.mark.parametrize("keras", ["tf_keras", "keras"])
 def test_sync_run_resumes_its_parameters_slots_version_and_position(
-        ps_strategy, ps_cluster, tmp_path, monkeypatch):
+        ps_strategy, ps_cluster, tmp_path, monkeypatch, keras):
     trainings = []
 
     class Recorded(sync_ps.SyncTraining):
@@ -77,7 +82,7 @@ def test_sync_run_resumes_its_parameters_slots_version_and_position(
             trainings.append(self)
 
     monkeypatch.setattr(sync_ps, "SyncTraining", Recorded)
-    config = _config("ps.mode=sync", "checkpoint.every_steps=3")
+    config = _config("ps.mode=sync", "checkpoint.every_steps=3", f"task.keras={keras}")
     # Crashed after update 8 of epoch 1: the backup of update 6 holds.
     attach(monkeypatch, Probe(stop_at=(0, 7)))
     with pytest.raises(Interrupted):

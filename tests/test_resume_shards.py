@@ -117,12 +117,13 @@ def _run(config, workdir, strategy, cluster, monkeypatch, keras: str, stop_at) -
 
 # The backups: tf_keras' fit (callbacks.Backup, reading the task's pipeline), the
 # project's loop by index (coordinated.LoopBackup) in both Kerases, and the sync loop
-# (sync_ps.SyncBackup, tf_keras). Each Keras makes and joins its slots one way whatever
+# (sync_ps.SyncBackup) in both Kerases. Each Keras makes and joins its slots one way whatever
 # the optimizer: Adagrad's start at 0.1, Adam's two kinds (in Keras 3 one of each per
 # shard, interleaved).
 @pytest.mark.parametrize("keras, optimizer, mode, by_index", [
     ("tf_keras", "adagrad", "async", False), ("tf_keras", "adagrad", "async", True),
-    ("keras", "adam", "async", True), ("tf_keras", "adam", "sync", False)])
+    ("keras", "adam", "async", True), ("tf_keras", "adam", "sync", False),
+    ("keras", "adagrad", "sync", False)])
 def test_a_backup_restores_its_tables_and_slots_into_another_number_of_shards(
         ps_strategy, ps_cluster, tmp_path, monkeypatch, keras, optimizer, mode, by_index):
     config = _config(keras, optimizer, mode, by_index)

@@ -148,6 +148,18 @@ ROWS: dict[str, Row] = {
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync")),
     "straggler_sync_b1": Row("the same, ps.mode=sync, 1 backup worker",
                              _ps(3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1")),
+    # The same two sync rows in Keras 3, each its ratio to the one without a backup worker.
+    "keras3_straggler_sync_b0": Row("straggler_sync_b0 in Keras 3", _ps(
+        3, 1, *_STRAGGLER, "ps.mode=sync", "task.keras=keras"), base="keras3_straggler_sync_b0"),
+    "keras3_straggler_sync_b1": Row("straggler_sync_b1 in Keras 3", _ps(
+        3, 1, *_STRAGGLER, "ps.mode=sync", "ps.backup_workers=1", "task.keras=keras"),
+                                    base="keras3_straggler_sync_b0"),
+    # Synchronous parameter servers, no straggler, in each Keras (the Keras 3 row's
+    # ratio is to the tf_keras one): every update averages both workers' contributions.
+    "sync_2w1p": Row("ParameterServer sync: chief + 2 workers + 1 ps (ps.mode=sync)",
+                     _ps(2, 1, "ps.mode=sync")),
+    "keras3_sync_2w1p": Row("sync_2w1p in Keras 3", _ps(2, 1, "ps.mode=sync", "task.keras=keras"),
+                            base="sync_2w1p"),
     # The recommender rows, for `--config configs/recommender.toml --set task.table_scale=0.05`
     # (the baseline row is then the recommender in one process): the same task and
     # global batch with sharded tables on 2 ps tasks or replicated on 2 workers,

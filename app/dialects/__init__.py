@@ -45,6 +45,7 @@ INTERFACE = (
     "fit_coordinated",  # its loop on the coordinator
     "resumes_by_callback",  # (by_index) -> whether fit_coordinated resumes from `backup`
     "ps_evaluator",  # (model, coordinator, workers): exact evaluation on the workers
+    "sync_steps",  # (model, built, task) -> (train step, update path) of ps.mode = sync
 )
 
 DIALECTS = (keras3, keras2)

@@ -18,7 +18,7 @@ import tf_keras as keras
 
 from app import strategy as strategies
 from app.config import DebugConfig, PSConfig, SyncConfig, TrainConfig
-from app.dialects import keras2_backup
+from app.dialects import keras2_backup, keras2_sync
 from app.dialects import keras2_optimizers as optimizers
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
@@ -29,7 +29,7 @@ __all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_var
            "schedules", "optimizer", "optimizer_class", "check_runner", "compile",
            "build_optimizer", "fit", "backup", "tensorboard", "evaluate", "export", "variables",
            "tf_variable", "slots", "build_coordinated", "fit_coordinated",
-           "resumes_by_callback", "ps_evaluator"]
+           "resumes_by_callback", "ps_evaluator", "sync_steps"]
 
 NAME = "tf_keras"
 LABEL = "Keras 2 (tf_keras)"
@@ -66,7 +66,7 @@ def optimizer(kind: str, learning_rate: Any, sync: SyncConfig, ps: PSConfig
     cls, kwargs = optimizer_class(kind), {"momentum": 0.9} if kind == "sgd" else {}
     if sync.compression == "fp16":
         cls = optimizers.fp16_all_reduce(cls)
-    if ps.compression == "fp16":
+    if ps.compression == "fp16" and ps.mode == "async":  # sync's exchange sends float16
         cls = optimizers.fp16_push(cls)
     return cls(learning_rate, **kwargs)
 
@@ -158,6 +158,13 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                            read_every=read_every, variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
+
+
+def sync_steps(model: keras.Model, built, task):
+    """What ps.mode = sync's contributions run (the model's own train_step) and the
+    update path of tf_keras' optimizers (`keras2_sync`)."""
+    keras2_sync.check_optimizer(model.optimizer, task)
+    return model.train_step, keras2_sync.UpdatePath()
 
 
 def tf_variable(variable):

@@ -1,42 +1,68 @@
-"""What `ps.mode = sync` needs of a Keras 2 task: its loss, one value per example.
+"""What `ps.mode = sync` needs of tf_keras (app/distribute/ps/sync.py): its optimizers'
+update path, deferred while a contribution is traced, and applied on the chief.
 
-The synchronous loop's step (app/distribute/ps/sync.py) is written in tf_keras and
-computes the task's loss itself, of (features, labels); `runners.SyncPS` trains
-Keras 2 models only (`keras3.check_runner` refuses the others before this).
+Every public update of a tf_keras optimizer ends in `apply_gradients`: `minimize`
+calls it, and so do Keras' train_step and a custom one (tf_keras 2.21
+optimizer.py, and legacy/optimizer_v2.py for the legacy optimizers).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
 import tf_keras as keras
 
 from app.config import ConfigError
+from app.distribute.ps import deferral
+
+# The classes whose `apply_gradients` every tf_keras optimizer inherits.
+_OPTIMIZER_CLASSES = (keras.optimizers.Optimizer, keras.optimizers.legacy.Optimizer)
 
 
-def task_loss(model: keras.Model, task) -> keras.losses.Loss:
-    """The task's loss as one `keras.losses.Loss` of per-example values, or a
-    ConfigError naming what the synchronous step cannot train."""
-    loss = task.loss()
-    # The sync step computes one loss of (features, labels): what Keras' compile
-    # would add for several outputs or a model's own train_step is not there.
-    if isinstance(loss, dict | list | tuple):
-        raise ConfigError(
-            f"ps.mode = sync trains one loss, and task {type(task).__name__} gives one per "
-            "output (a model of several outputs); use ps.mode = async or MultiWorkerMirrored")
-    task_loss_ = keras.losses.get(loss)
-    if not isinstance(task_loss_, keras.losses.Loss):
-        raise ConfigError(
-            f"ps.mode = sync needs the task's loss as a keras.losses.Loss, and task "
-            f"{type(task).__name__} gives a {type(loss).__name__}; wrap it in "
-            "keras.losses.LossFunctionWrapper or use ps.mode = async")
-    # Per-example losses: the sync loop averages them itself (Keras refuses a batch
-    # mean inside a function the coordinator schedules).
-    task_loss_.reduction = keras.losses.Reduction.NONE
-    for step in ("train_step", "compute_loss"):
-        # The sync loop computes the task's loss itself: a model's own compute_loss
-        # would not run either, and the model would train silently on another loss.
-        if getattr(type(model), step) is not getattr(keras.Model, step):
-            raise ConfigError(
-                "ps.mode = sync runs its own training step (app/distribute/ps/sync.py), so "
-                f"the {step} of {type(model).__name__} would not run; use ps.mode = async "
-                "or MultiWorkerMirrored")
-    return task_loss_
+class UpdatePath:
+    """`app.distribute.ps.deferral.UpdatePath` in tf_keras."""
+
+    @staticmethod
+    @contextlib.contextmanager
+    def deferred(optimizer, deposit: Callable[[list, list], None],
+                 other: Callable[[Any], None]) -> Iterator[None]:
+        """Within it, `optimizer.apply_gradients` deposits; any other tf_keras optimizer's
+        tells `other`."""
+        with contextlib.ExitStack() as stack:
+            for cls in _OPTIMIZER_CLASSES:
+                stack.enter_context(deferral.replaced(cls, "apply_gradients",
+                                                  _deferring(cls, optimizer, deposit, other)))
+            yield
+
+    @staticmethod
+    def apply(optimizer, grads: list, variables: list) -> None:
+        # Summed over replicas already: the mean of the workers' gradients.
+        optimizer.apply_gradients(zip(grads, variables, strict=True),
+                                  experimental_aggregate_gradients=False)
+
+    @staticmethod
+    def tf_variable(variable):
+        return variable
+
+
+def _deferring(cls: type, optimizer, deposit, other):
+    keras_apply = cls.apply_gradients
+
+    def apply_gradients(self, grads_and_vars, *args, **kwargs):
+        if self is not optimizer:
+            other(self)
+            return keras_apply(self, grads_and_vars, *args, **kwargs)
+        pairs = list(grads_and_vars)
+        deposit([g for g, _ in pairs], [v for _, v in pairs])
+        return self.iterations
+
+    return apply_gradients
+
+
+
+def check_optimizer(optimizer, task) -> None:
+    """ConfigError for an optimizer whose update ps.mode = sync cannot defer."""
+    if isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer):
+        raise ConfigError(deferral.LOSS_SCALING.format(task=type(task).__name__))

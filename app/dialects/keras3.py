@@ -22,7 +22,7 @@ import tensorflow as tf
 from app import strategy as strategies
 from app import tf_internal
 from app.config import ConfigError, DebugConfig, PSConfig, SyncConfig, TrainConfig
-from app.dialects import keras3_build, keras3_internal, keras3_ps
+from app.dialects import keras3_build, keras3_internal, keras3_ps, keras3_sync
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
 from app.state import backup as backups
@@ -35,7 +35,7 @@ __all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_var
            "schedules", "optimizer", "optimizer_class", "check_runner", "compile",
            "build_optimizer", "fit", "backup", "tensorboard", "evaluate", "export", "variables",
            "tf_variable", "slots", "build_coordinated", "fit_coordinated",
-           "resumes_by_callback", "ps_evaluator"]
+           "resumes_by_callback", "ps_evaluator", "sync_steps"]
 
 NAME = "keras"
 LABEL = "Keras 3 (keras, tf.keras)"
@@ -63,9 +63,10 @@ def use_variable_rng() -> Callable[[], None]:
 
 def optimizer(kind: str, learning_rate: Any, sync: SyncConfig, ps: PSConfig
               ) -> keras.optimizers.Optimizer:
-    """`train.optimizer`, as Keras 3 has it; the gradient compressions are Keras 2's."""
+    """`train.optimizer`, as Keras 3 has it; the gradient compressions are Keras 2's,
+    but for ps.mode = sync's, which its exchange makes whatever the Keras."""
     for key, value in (("sync.compression", sync.compression),
-                       ("ps.compression", ps.compression)):
+                       ("ps.compression", ps.compression if ps.mode == "async" else "none")):
         if value != "none":
             raise ConfigError(f"{key} = {value} compresses the gradients of Keras 2 (tf_keras) "
                               "models; this task's model is Keras 3. Set it to none")
@@ -178,6 +179,13 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                            read_every=read_every, variables=trainable,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
+
+
+def sync_steps(model: keras.Model, built, task):
+    """What ps.mode = sync's contributions run (the train step `build_coordinated`
+    readied) and the update path of Keras 3's optimizers (`keras3_sync`)."""
+    keras3_sync.check_optimizer(model.optimizer, task)
+    return built.train, keras3_sync.UpdatePath(tf_variable)
 
 
 def tf_variable(variable):
@@ -397,14 +405,10 @@ def _export(model: keras.Model, path: pathlib.Path) -> None:
 
 def check_runner(debug: DebugConfig, task, *, parameter_servers: bool,
                  synchronous_ps: bool) -> None:
-    """Refuse what Keras 3 cannot do in a run: on `parameter_servers` (a debug.slow_worker
-    slows the tf_keras step only) or with `synchronous_ps` (ps.mode = sync, whose step,
-    app/distribute/ps/sync.py, is written in tf_keras)."""
+    """Refuse what Keras 3 cannot do in a run: on asynchronous `parameter_servers` a
+    debug.slow_worker slows the tf_keras step only (ps.mode = sync slows either Keras)."""
     name = type(task).__name__
-    if parameter_servers and debug.slow_worker >= 0:
-        raise ConfigError(f"debug.slow_worker slows the steps of Keras 2 (tf_keras) models, "
-                          f"and task {name} builds a Keras 3 model; set it to -1")
-    if synchronous_ps:
-        raise ConfigError(
-            f"ps.mode = sync trains Keras 2 (tf_keras) models, and task {name} "
-            "builds a Keras 3 model; use ps.mode = async or MultiWorkerMirrored")
+    if parameter_servers and not synchronous_ps and debug.slow_worker >= 0:
+        raise ConfigError(f"debug.slow_worker slows the asynchronous steps of Keras 2 (tf_keras) "
+                          f"models, and task {name} builds a Keras 3 model; set it to -1, or "
+                          "use ps.mode = sync")

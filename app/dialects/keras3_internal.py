@@ -4,6 +4,9 @@ as `app.tf_internal` walls off TensorFlow's.
 `keras3`, `keras3_build`, `keras3_ps` and `keras3_slots` use Keras 3's public API
 and these. Each says why the public API does not suffice and what fails if it moves:
 
+- `built_variables`: the variables an optimizer was built for, which ps.mode =
+  sync's deferred `optimizer.apply(grads)` (no variables given) deposits gradients
+  for (`keras3_sync`). If it moves, such a train_step fails to trace under sync.
 - `adam_slots`: the momentum and velocity of one variable, which the fused Adam
   update (`keras3._fused_adam`) hands to TensorFlow's kernel. Keras 3's optimizer
   lists its variables, not which slot is whose. If it moves, the first step of a
@@ -66,6 +69,12 @@ def adam_slots(adam: keras.optimizers.Adam, variable) -> tuple[Any, Any]:
     `_momentums` and `_velocities`, in the order of `_get_variable_index`)."""
     index = adam._get_variable_index(variable)
     return adam._momentums[index], adam._velocities[index]
+
+
+def built_variables(optimizer) -> list:
+    """The variables `optimizer` was built for, which `optimizer.apply(grads)` without
+    variables updates (Keras 3.15 BaseOptimizer `_trainable_variables`)."""
+    return list(optimizer._trainable_variables)
 
 
 # The entries of a Keras 3.15 optimizer's checkpoint: all its variables, and the model

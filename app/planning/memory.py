@@ -8,7 +8,9 @@ built). On that:
 
 - a ps task holds its shards of the variables and their optimizer slots, and
   once more its largest shard, which is initialised into a temporary tensor and
-  then assigned;
+  then assigned; under `ps.mode = "sync"`, also one slot per worker beside each
+  trainable shard, dense (a table's too), float16 with `ps.compression = "fp16"`
+  (app/distribute/ps/exchange.py);
 - a worker holds what a step reads (the dense variables whole, the rows a batch
   looks up in a table), their gradients (as much again), two batches (the one
   in the step and one prefetched), and the step's activations (`step_bytes`);
@@ -104,9 +106,10 @@ def _variable_bytes(variable) -> int:
     return variable.shape.num_elements() * variable.dtype.size
 
 
-def peaks(built, placement, traffic) -> dict[str, int]:
+def peaks(built, placement, traffic, num_workers: int = 0) -> dict[str, int]:
     """{"ps:0": bytes, ..., "worker": bytes, "chief": bytes}: each task's predicted peak
-    (every worker alike); with no ps, {"worker": bytes} of MultiWorkerMirrored."""
+    (every worker alike); with no ps, {"worker": bytes} of MultiWorkerMirrored.
+    `num_workers`: the workers whose sync slots a ps task holds (ps.mode = sync)."""
     base = memory.BASELINE_BYTES
     batches = 2 * batch_bytes(built)
     steps = step_bytes(built)
@@ -117,6 +120,9 @@ def peaks(built, placement, traffic) -> dict[str, int]:
     for i in range(placement.num_ps):
         held = [s.bytes for s in placement.shards if s.ps_task == i]
         out[f"ps:{i}"] = base + sum(held) + max(held, default=0)
+        if built.config.ps.mode == "sync" and traffic.trainable_bytes:
+            out[f"ps:{i}"] += round(num_workers * traffic.trainable_bytes[i]
+                                    * traffic.gradient_scale)
     out["worker"] = base + 2 * sum(traffic.read_bytes) + batches + steps
     out["chief"] = base + batches + COORDINATOR_BYTES
     return out
@@ -139,7 +145,7 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float, place: Callabl
     when the caller has it already."""
     if placed is None:
         placed = place(built, num_ps) if num_ps else (None, None)
-    predicted = peaks(built, *placed)
+    predicted = peaks(built, *placed, num_workers)
     limit = limit_gib * memory.GIB
     over = [(task, nbytes) for task, nbytes in predicted.items() if nbytes > limit]
     if not limit_gib or not over:
@@ -158,7 +164,7 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float, place: Callabl
             f"{head}: no number of ps tasks fits, since the {task} holds "
             f"{'its batches' if task == 'chief' else 'its step'}"
             f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
-    more = _ps_tasks_that_fit(built, num_ps + 1, limit, place)
+    more = _ps_tasks_that_fit(built, num_ps + 1, limit, place, num_workers)
     if more:
         raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
                               "the limit")
@@ -167,10 +173,11 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float, place: Callabl
                           "raise the limit")
 
 
-def _ps_tasks_that_fit(built, first: int, limit: float, place: Callable) -> int | None:
+def _ps_tasks_that_fit(built, first: int, limit: float, place: Callable,
+                       num_workers: int) -> int | None:
     """The fewest ps tasks, `first` or more, whose predicted peaks are within `limit` bytes."""
     for num_ps in range(first, MAX_PS + 1):
-        ps_peaks = peaks(built, *place(built, num_ps))
+        ps_peaks = peaks(built, *place(built, num_ps), num_workers)
         if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
             return num_ps
     return None
@@ -182,10 +189,10 @@ def fewest_ps(built, num_workers: int, limit_gib: float, place: Callable) -> int
     limit whatever the ps tasks, or a shard larger than it)."""
     limit = limit_gib * memory.GIB
     placed = place(built, 1)
-    if any(nbytes > limit for task, nbytes in peaks(built, *placed).items()
+    if any(nbytes > limit for task, nbytes in peaks(built, *placed, num_workers).items()
            if not task.startswith("ps:")):  # more ps tasks do not help: check says so
         check(built, 1, num_workers, limit_gib, place, placed=placed)
-    fewest = _ps_tasks_that_fit(built, 1, limit, place) or MAX_PS
+    fewest = _ps_tasks_that_fit(built, 1, limit, place, num_workers) or MAX_PS
     check(built, fewest, num_workers, limit_gib, place)
     return fewest
 

@@ -23,6 +23,8 @@ class Traffic:
     # worker -> ps per step besides gradient values: for tables read by lookup, the
     # int64 ids looked up and the indices of the gradient's rows (empty: none).
     index_bytes: list[int] = dataclasses.field(default_factory=list)
+    # Per ps task, the bytes of the trainable shards it holds, whole (tables too).
+    trainable_bytes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def written_bytes(self) -> list[int]:
@@ -109,6 +111,7 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     shards: list[Shard] = []
     read = [0] * num_ps
     index_bytes = [0] * num_ps
+    trainable_bytes = [0] * num_ps
     lookup, batch = task.lookup_rows, config.train.global_batch_size
     tasks_of: dict[int, list[int]] = {}
     counter = 0
@@ -126,6 +129,8 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
             nbytes = math.prod(shape) * var.dtype.size
             if id(var) in reported:
                 shards.append(Shard(base_name(var.name), task, shape, nbytes))
+            if id(var) in trainable:
+                trainable_bytes[task] += nbytes
             if id(var) in trainable and looked_up is not None:
                 read[task] += round(looked_up[i] * nbytes / rows)  # the rows a batch reads
                 index_bytes[task] += round(looked_up[i] * 2 * 8)  # their ids, there and back
@@ -141,7 +146,8 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     scale = 0.5 if config.ps.compression == "fp16" else 1.0
     others = tuple(ps_variables.weight_name(w) for w in model.weights
                    if not ps_variables.is_variable(w))
-    return Placement(num_ps, tuple(shards), others), Traffic(read, scale, index_bytes)
+    return Placement(num_ps, tuple(shards), others), Traffic(read, scale, index_bytes,
+                                                                trainable_bytes)
 
 
 def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:

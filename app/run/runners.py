@@ -30,16 +30,17 @@ import tensorflow as tf
 
 from app import dialects, indexed
 from app import strategy as strategies
-from app.cluster import markers
+from app.cluster import markers, memory
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
-from app.dialects import keras2_sync
-from app.distribute.ps import coordinated
+from app.distribute.ps import coordinated, exchange
+from app.distribute.ps import straggler as stragglers
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.run import callbacks as project_callbacks
 from app.state.workdir import BACKUP_DIR
 from app.task import Task
+from app.units import human_size
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,13 @@ class SingleHost:
         return self.strategy.num_replicas_in_sync
 
     @property
+    def batches_scheduled_on(self):
+        """The ClusterCoordinator a batch of fit() only is scheduled on when it ends (the
+        throughput callback joins it once, after its warm-up), or None: a batch that
+        ends has run."""
+        return self.coordinator
+
+    @property
     def num_workers(self) -> int:
         return 1
 
@@ -147,9 +155,8 @@ class SingleHost:
     def build_optimizer(self, model, task: Task) -> None:
         self.dialect.build_optimizer(model, self.train_fn(task), self.slot_device())
 
-    # Whether this kind of run can read a task's examples by index (app.indexed), and
-    # whether a step it runs again (after a worker died) may have been applied already.
-    reads_by_index = True
+    # Whether a step this kind of run runs again (after a worker died) may have been
+    # applied already, when it reads a task's examples by index (app.indexed).
     reruns_applied_steps = False
     # Whether updates are ps.mode = sync's, in that loop's own step (app/distribute/ps/sync.py).
     synchronous_ps = False
@@ -301,14 +308,14 @@ class AsyncPS(SingleHost):
                      "with MultiWorkerMirrored (no ps tasks)")
         self._check_all_reduce_and_batch()
 
-    def _straggler(self) -> sync_ps.Straggler | None:
+    def _straggler(self) -> stragglers.Straggler | None:
         index = self.config.debug.slow_worker
         if index < 0:
             return None
         if index >= self._workers:
             raise ConfigError(f"debug.slow_worker = {index} is not a worker of this cluster "
                               f"(0 to {self._workers - 1})")
-        return sync_ps.Straggler(index, self.config.debug.slow_factor)
+        return stragglers.Straggler(index, self.config.debug.slow_factor)
 
     @property
     def num_workers(self) -> int:
@@ -374,17 +381,17 @@ class AsyncPS(SingleHost):
         return self.placement.report()
 
     def wrap(self, model):
-        return sync_ps.StragglingModel.wrap(model, self.straggler) if self.straggler else model
+        return stragglers.StragglingModel.wrap(model, self.straggler) if self.straggler else model
 
     def evaluator(self, model, task):
         return self.dialect.ps_evaluator(model, self.coordinator, self._workers)
 
     def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
         if self.straggler:
-            sync_ps.check_pairs(dataset_fn)
+            stragglers.check_pairs(dataset_fn)
         dataset_fn = per_worker(dataset_fn, self._workers)
         if self.straggler:  # its train step needs to know which worker reads the batch
-            dataset_fn = sync_ps.with_worker_id(dataset_fn)
+            dataset_fn = stragglers.with_worker_id(dataset_fn)
         return self.dialect.fit_coordinated(
             model, self.steps, self.coordinator, dataset_fn, callbacks, self.config.train.epochs,
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
@@ -420,19 +427,20 @@ class AsyncPS(SingleHost):
 
 class SyncPS(AsyncPS):
     """ParameterServerStrategy in `ps.mode = sync`: each update averages the first
-    `workers - backup_workers` gradients (app/distribute/ps/sync.py); a global batch is the
-    examples of one update, split over those workers."""
+    `workers - backup_workers` contributions, each a run of the model's own train step
+    on a worker (app/distribute/ps/sync.py); a global batch is the examples of one
+    update, split over those workers."""
 
     resumable = False  # its own loop and backup (sync_ps.SyncBackup), not BackupAndRestore's
-    # Each update takes the first gradients of any `required` workers; a contribution
-    # is not tied to a part of a global batch yet, so sync reads the task's pipeline.
-    reads_by_index = False
+    # By index, each contribution trains on a numbered part of a global batch, and an
+    # update never takes a part twice, a contribution run again included (sync_ps.ByIndex).
+    reruns_applied_steps = False
     synchronous_ps = True
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config, cluster)
         self.figures: dict[str, Any] = {}
-        self._task_loss = None  # the loss its own step computes (keras2_sync.task_loss)
+        self.training: sync_ps.SyncTraining | None = None  # once `build` made the model
 
     def check(self) -> None:
         backup = self.config.ps.backup_workers
@@ -440,10 +448,6 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
                               f"workers ({self._workers}): each update needs at least one "
                               "gradient")
-        self._refuse(self.config.ps.compression != "none",
-                     f"ps.compression = {self.config.ps.compression} applies to ps.mode = "
-                     f"async; ps.mode = {self.config.ps.mode} sends its gradients through "
-                     "accumulators in float32. Set one of them back")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "
@@ -460,25 +464,86 @@ class SyncPS(AsyncPS):
         return self.config.train.global_batch_size // self.required
 
     def wrap(self, model):
-        return model  # the straggler sleeps in sync_ps's own step
+        return model  # the straggler sleeps in sync_ps's contributions
 
-    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
-        sync_ps.check_pairs(dataset_fn)
-        training = sync_ps.SyncTraining(
-            self.coordinator, model, self._task_loss, num_workers=self._workers,
-            backup_workers=self.config.ps.backup_workers, straggler=self.straggler)
-        history, self.figures = sync_ps.fit(
-            training, per_worker(dataset_fn, self._workers), epochs=self.config.train.epochs,
-            steps_per_epoch=steps_per_epoch, callbacks=callbacks,
-            verbose=_verbose(self.config.train.verbose),
-            backup=sync_ps.SyncBackup(training, workdir / BACKUP_DIR,
-                                      self.config.checkpoint.every_steps))
-        return history
+    @property
+    def batches_scheduled_on(self):
+        # A batch is an update, applied when it ends. A join mid-epoch would wait for
+        # the contributions that wait for the next update.
+        return None
 
     def build(self, task, make_optimizer):
-        model = super().build(task, make_optimizer)  # refuses a Keras 3 model
-        self._task_loss = keras2_sync.task_loss(model, task)
+        model = super().build(task, make_optimizer)
+        # Out of the strategy's scope: the exchange's slots go beside their variables.
+        train, path = self.dialect.sync_steps(model, self.steps, task)
+        parts = self.reading[1].steps_per_epoch * self.required if self.reading else 0
+        push_dtype = tf.float16 if self.config.ps.compression == "fp16" else None
+        self._check_slots(model, path.tf_variable, push_dtype)
+        self.training = sync_ps.SyncTraining(model, train, self.coordinator, path, sync_ps.Settings(
+            self._workers, self.config.ps.backup_workers, self.straggler,
+            push_dtype=push_dtype, parts=parts))
+        # Before training: a step whose update cannot be deferred is refused in one line.
+        self.training.check(self.train_fn(task)(tf.distribute.InputContext()).element_spec,
+                            task)
         return model
+
+    def _check_slots(self, model, tf_variable, push_dtype) -> None:
+        """Before the slots are made: a ConfigError if a ps task's would not fit
+        runtime.memory_limit_gib beside its variables; a warning for each sharded
+        variable (a table), whose sparse gradients the slots hold dense."""
+        slots = exchange.slot_bytes(model.trainable_variables, self._workers, tf_variable,
+                                    push_dtype)
+        scale = "" if push_dtype is None else ", as float16"
+        for variable in model.trainable_variables:
+            shards = getattr(tf_variable(variable), "variables", None)
+            if shards and len(shards) > 1:
+                nbytes = sum(s.shape.num_elements() for s in shards) * (
+                    push_dtype or shards[0].dtype).size
+                log.warning(
+                    "ps.mode = sync holds the gradients of %s (sharded over %d ps tasks) "
+                    "dense: %d workers' slots of %s each (%s in all%s), where ps.mode = async "
+                    "sends only the rows a batch looks up",
+                    getattr(variable, "path", variable.name), len(shards), self._workers,
+                    human_size(nbytes), human_size(self._workers * nbytes), scale)
+        limit_gib = self.config.runtime.memory_limit_gib
+        if not limit_gib:
+            return
+        held: dict[str, int] = {}
+        for variable in self.dialect.variables(model, model.optimizer):
+            for part in getattr(variable, "variables", [variable]):
+                held[part.device] = held.get(part.device, 0) + (
+                    part.shape.num_elements() * part.dtype.size)
+        for device, nbytes in sorted(slots.items()):
+            total = memory.BASELINE_BYTES + held.get(device, 0) + nbytes
+            if total > limit_gib * memory.GIB:
+                spec = tf.DeviceSpec.from_string(device)
+                raise ConfigError(
+                    f"ps.mode = sync needs {human_size(nbytes)} of gradient slots on "
+                    f"{spec.job}:{spec.task} ({self._workers} workers' dense copies of its "
+                    f"trainable variables{scale}), {human_size(total)} with TensorFlow and its "
+                    f"variables, over runtime.memory_limit_gib = {limit_gib:g} GiB; add ps "
+                    "tasks, set ps.compression = \"fp16\", raise the limit, or train with "
+                    "ps.mode = \"async\"")
+
+    def report(self):
+        held = self.training.exchange.slot_bytes()
+        return [*super().report(),
+                f"sync slots ({self._workers} workers' gradients beside each trainable "
+                "variable): " + ", ".join(f"{tf.DeviceSpec.from_string(d).job}:"
+                                          f"{tf.DeviceSpec.from_string(d).task} {human_size(b)}"
+                                          for d, b in sorted(held.items()))]
+
+    def fit(self, model, dataset_fn, callbacks, steps_per_epoch, workdir):
+        source = (sync_ps.ByIndex(self.coordinator, *self.reading, self.required)
+                  if self.reading else
+                  sync_ps.Pipelines(self.coordinator, per_worker(dataset_fn, self._workers)))
+        history, self.figures = sync_ps.fit(
+            self.training, source, self.dialect.keras,
+            epochs=self.config.train.epochs, steps_per_epoch=steps_per_epoch,
+            callbacks=callbacks, verbose=_verbose(self.config.train.verbose),
+            backup=sync_ps.SyncBackup(self.training, workdir / BACKUP_DIR,
+                                      self.config.checkpoint.every_steps))
+        return history
 
     def metrics(self, model):
         return {**super().metrics(model), "backup_workers": self.config.ps.backup_workers,

@@ -3,320 +3,382 @@
 TensorFlow 2's ParameterServerStrategy trains asynchronously only. This mode
 brings back TF1's `SyncReplicasOptimizer` on top of it, with backup workers
 (Chen et al., "Revisiting Distributed Synchronous SGD", 2016): each update
-waits for the first N = workers - backup_workers gradients computed on the
+averages the first N = workers - backup_workers contributions computed on the
 current parameters and drops the rest, so a slow worker does not stall the
-others. Step k:
+others.
 
-- Workers run `contribute` (scheduled through the ClusterCoordinator, about
-  one in flight per worker): read the parameter version k, compute the
-  gradient of a batch of the worker's own shard, and push it, tagged k, into
-  one `ConditionalAccumulator` per variable on that variable's ps task.
-- The chief runs `_update`, whose ops are placed on the ps tasks: each
-  accumulator's `take_grad(N)` waits for N gradients tagged k, averages those
-  it holds (more than N if another arrived meanwhile) and moves on to k + 1,
-  so a gradient tagged k that arrives later is dropped by the accumulator
-  itself; the optimizer applies the averages where the variables live, then
-  the version becomes k + 1. No gradient passes through the chief.
+A contribution is one run of the model's own `train_step` on a worker, scheduled
+through the ClusterCoordinator as the asynchronous loop schedules its steps. Its
+optimizer update is deferred, as `SyncReplicasOptimizer` deferred it: while the
+step is traced, the dialect makes the optimizer's one update path (Keras 3's
+`optimizer.apply`, tf_keras' `apply_gradients`) deposit the gradients into the
+worker's slots on the ps tasks, tagged with the version the worker read before
+its forward pass (`exchange.Exchange`, which says why each update is exact). The
+chief applies the mean with the real optimizer: its clipping, weight decay,
+moving averages and `iterations`, where the variables live.
 
-A "gate" accumulator on ps:0 counts, per worker, the contributions each update
-took; every worker also counts what it pushed. Pushed minus taken is what was
-dropped as stale. As in TF1, each accumulator takes the first N gradients *it*
-receives: when two workers push at nearly the same moment, two variables can
-average different workers' gradients for one step.
+What a contribution writes itself, as in the asynchronous mode: the model's
+non-trainable state (BatchNormalization's moving statistics, the random layers'
+generators) and the training metrics, dropped contributions included. A step
+whose update cannot be deferred to one synchronous update is refused before
+training (`deferral.check`): one that applies its optimizer twice or not at all, applies
+another optimizer, applies it inside a conditional or a loop, or writes a
+trainable variable itself.
+
+The chief keeps workers + 1 contributions outstanding: a worker that has
+contributed to the current version waits inside its next one (`Exchange.wait_turn`)
+and computes on the next version as soon as it exists. So nothing may join the
+coordinator while an epoch runs (it would wait for contributions that wait for the
+next update): `SyncTraining.drain` is the join.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import dataclasses
+import functools
 import logging
 import pathlib
 import time
-import uuid
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
-import tf_keras as keras
 
-from app import tf_internal
-from app.config import ConfigError
+from app import indexed, tf_internal
+from app.distribute.ps import deferral
+from app.distribute.ps.exchange import PART_PENDING, PART_TAKEN, Exchange
+from app.distribute.ps.straggler import Straggler, straggle
 from app.state import backup as backups
 
 log = logging.getLogger(__name__)
 
+# Where the version and the workers' marks live (the strategy's first ps task).
+PS0 = "/job:ps/replica:0/task:0/device:CPU:0"
+
 
 @dataclasses.dataclass(frozen=True)
-class Straggler:
-    """Worker `worker` sleeps until each of its steps took `factor` times as long."""
+class Settings:
+    """A sync run's shape: its workers, the backups an update does not wait for, a
+    straggler (`debug.slow_worker`), the dtype gradients travel in, and how many parts
+    an epoch has when contributions read their examples by index (`ByIndex`)."""
 
-    worker: int
-    factor: float
+    num_workers: int
+    backup_workers: int = 0
+    straggler: Straggler | None = None
+    push_dtype: tf.DType | None = None
+    parts: int = 0  # of an epoch, when contributions read their examples by index
 
-
-def straggle(values, is_slow: tf.Tensor, factor: float, started: tf.Tensor):
-    """`values`, once a slow worker has slept (factor - 1) times the time since `started`."""
-    def wait(ready: list[tf.Tensor]) -> tf.Tensor:
-        with tf.control_dependencies(ready):
-            seconds = (factor - 1.0) * (tf.timestamp() - started)
-        return tf_internal.sleep(tf.cast(seconds * 1e6, tf.int64))
-
-    return hold(values, is_slow, wait)
-
-
-def hold(values, is_slow: tf.Tensor, wait: Callable[[list[tf.Tensor]], tf.Tensor]):
-    """`values` (flattened), once `wait(values)`, an int64 tensor computed after them,
-    has run where `is_slow`."""
-    values = tf.nest.flatten(values)
-    done = tf.cond(is_slow, lambda: wait(values), lambda: tf.constant(0, tf.int64))
-    with tf.control_dependencies([done]):
-        return [tf.identity(v) for v in values]
-
-
-def with_worker_id(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]):
-    """`dataset_fn` whose batches also carry the index of the worker reading them
-    (a ParameterServerStrategy dataset_fn: it runs on that worker)."""
-    def fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
-        index = tf.distribute.coordinator.experimental_get_current_worker_index()
-        worker = tf.cast(index, tf.int32)
-        return dataset_fn(context).map(lambda features, labels: (features, labels, worker))
-    return fn
-
-
-def check_pairs(dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset]) -> None:
-    """ConfigError unless `dataset_fn`'s batches are (features, labels), which the sync
-    step and the straggler's unpack. Asked on the chief before the coordinator traces
-    `dataset_fn`: an error raised while it traces reaches the user as autograph's
-    StagingError, a traceback."""
-    spec = dataset_fn(tf.distribute.InputContext()).element_spec
-    if not (isinstance(spec, tuple) and len(spec) == 2):
-        raise ConfigError(
-            "ps.mode = sync and debug.slow_worker train on (features, labels) batches, and "
-            f"this task's training data yields {_elements(spec)}; use ps.mode = async "
-            "without debug.slow_worker, or MultiWorkerMirrored")
-
-
-def _elements(spec) -> str:
-    if isinstance(spec, tuple) and len(spec) == 3:
-        return "(features, labels, sample weights)"
-    return f"{len(spec)} elements" if isinstance(spec, tuple) else "one element"
-
-
-class StragglingModel(keras.Model):
-    """A functional model whose train step lets one worker straggle: `debug.slow_worker`
-    in asynchronous runs. Its batches carry the worker index (`with_worker_id`)."""
-
-    straggler: Straggler
-
-    @classmethod
-    def wrap(cls, model: keras.Model, straggler: Straggler) -> StragglingModel:
-        wrapped = cls(inputs=model.inputs, outputs=model.outputs, name=model.name)
-        wrapped.straggler = straggler
-        return wrapped
-
-    def train_step(self, data):
-        # Keras' own train step, with the straggler's sleep before the update.
-        features, labels, worker = data
-        started = tf.timestamp()
-        with tf.GradientTape() as tape:
-            predictions = self(features, training=True)
-            loss = self.compute_loss(features, labels, predictions)
-        grads = tape.gradient(loss, self.trainable_variables)
-        grads = straggle(grads, worker == self.straggler.worker, self.straggler.factor, started)
-        self.optimizer.apply_gradients(zip(grads, self.trainable_variables, strict=True))
-        return self.compute_metrics(features, labels, predictions, None)
+    @property
+    def required(self) -> int:
+        return self.num_workers - self.backup_workers
 
 
 class SyncTraining:
-    """The accumulators, the version counter and the two functions of a sync run."""
+    """The exchange on the ps tasks and the functions of a sync run: a worker's
+    contribution, the chief's update and its poll."""
 
-    def __init__(self, coordinator: tf.distribute.coordinator.ClusterCoordinator,
-                 model: keras.Model, loss_fn: keras.losses.Loss, num_workers: int,
-                 backup_workers: int, straggler: Straggler | None = None):
-        """`loss_fn` gives per-example losses (reduction NONE)."""
-        self.model, self.loss_fn, self.straggler = model, loss_fn, straggler
-        self.num_workers, self.required = num_workers, num_workers - backup_workers
-        self.coordinator = coordinator
-        self.variables = model.trainable_variables
-        ps0 = self.variables[0].device
-        # Accumulators live on the ps tasks under their shared names; a fresh suffix keeps
-        # a new run from joining an earlier run's (on servers that outlived it).
-        run = uuid.uuid4().hex[:12]
-        with tf.device(ps0):
-            # The parameters' version: the number of updates applied.
-            self.version = tf.Variable(0, dtype=tf.int64, trainable=False, name="sync_version")
-            self.pushed = tf.Variable(tf.zeros([num_workers], tf.int64), trainable=False,
-                                      name="sync_pushed")
-            # Contributions ended, counted after the gate's: see `poll`.
-            self.ended = tf.Variable(tf.constant(0, tf.int64), trainable=False,
-                                     name="sync_ended")
-            self.gate = tf.compat.v1.ConditionalAccumulator(
-                tf.float32, shape=[num_workers], reduction_type="SUM",
-                shared_name=f"sync_gate_{run}")
-        self.accumulators = []
-        for i, var in enumerate(self.variables):
-            with tf.device(var.device):
-                self.accumulators.append(tf.compat.v1.ConditionalAccumulator(
-                    var.dtype, shape=var.shape, shared_name=f"sync_grad_{i}_{run}"))
-        self.contribute = tf.function(self._contribute)
+    def __init__(self, model, train: Callable[[Any], Any], coordinator, path: deferral.UpdatePath,
+                 settings: Settings):
+        """`train(batch)`: the model's train step, as the asynchronous loop runs it."""
+        self.model, self.train, self.coordinator = model, train, coordinator
+        self.path, self.settings = path, settings
+        self.exchange = Exchange(settings.num_workers, settings.required, PS0,
+                                 model.trainable_variables, path.tf_variable,
+                                 settings.push_dtype, settings.parts)
         self.update = tf.function(self._update)
         self.poll = tf.function(self._poll)
 
-    def _contribute(self, iterator) -> tf.Tensor:
-        """On a worker: one gradient of the current parameters, pushed to the accumulators."""
-        features, labels, worker = next(iterator)
-        started = tf.timestamp()
-        step = self.version.read_value()
-        with tf.control_dependencies([step]), tf.GradientTape() as tape:
-            predictions = self.model(features, training=True)
-            loss = tf.reduce_mean(self.loss_fn(labels, predictions))
-            if self.model.losses:  # regularizers
-                loss += tf.add_n(self.model.losses)
-        grads = tape.gradient(loss, self.variables)
-        if self.straggler:
-            grads = straggle(grads, worker == self.straggler.worker, self.straggler.factor,
-                             started)
-        pushes = [acc.apply_grad(tf.convert_to_tensor(g), local_step=step)
-                  for acc, g in zip(self.accumulators, grads, strict=True)]
-        mine = tf.one_hot(worker, self.num_workers)
-        # Counted as pushed before the gate lets the update go: when `fit` reads
-        # `pushed` after an update, every contribution that update took is in it.
-        with tf.control_dependencies(pushes):
-            counted = self.pushed.assign_add(tf.cast(mine, tf.int64))
-        with tf.control_dependencies([counted]):
-            gated = self.gate.apply_grad(mine, local_step=step)
-        with tf.control_dependencies([gated]):
-            ended = self.ended.assign_add(1)
-        with tf.control_dependencies([ended]):
-            return tf.identity(loss)
+    # -- a worker's contribution -------------------------------------------------------------
+
+    def contribute(self, read: Callable[[], Any], part: tf.Tensor | None = None) -> None:
+        """Inside a function a worker runs: one contribution, on the batch `read()` gives
+        (part `part` of the epoch, if numbered), once the worker's turn comes (deposited
+        unless the chief drains meanwhile)."""
+        exchange = self.exchange
+        worker = tf.cast(tf.distribute.coordinator.experimental_get_current_worker_index(),
+                         tf.int32)
+        turn = exchange.wait_turn(worker)
+        with tf.control_dependencies([turn]):
+            trace = self._contribute(worker, read, part)
+        after = [trace.deposited] if trace.deposited is not None else []
+        if part is not None:
+            after.append(exchange.finish(part, trace.deposited))
+        with tf.control_dependencies(after):
+            exchange.ended.assign_add(1, read_value=False)
+
+    def _contribute(self, worker: tf.Tensor, read: Callable[[], Any],
+                    part: tf.Tensor | None = None) -> deferral.Trace:
+        """Read the version, run the train step on `read()`, deposit its gradients."""
+        version, started = self.exchange.version.read_value(), tf.timestamp()
+        trace = deferral.Trace(tf.compat.v1.get_default_graph())
+        deposit = functools.partial(self._deposit, trace, version, worker, started, part)
+
+        def step(batch):
+            # Every read of the model's variables comes after the version's (see
+            # exchange), and the deposit's look at `draining` too. Here, in the replica's
+            # thread: TensorFlow's mirrored_run traces `strategy.run`'s function in a
+            # thread of its own, where the caller's control dependencies do not reach.
+            with tf.control_dependencies([version]):
+                return self.train(batch)
+
+        with tf.control_dependencies([version]):
+            batch = read()
+        with self.path.deferred(self.model.optimizer, deposit, trace.others.append):
+            self.coordinator.strategy.run(step, args=(batch,))
+        return trace
+
+    def _deposit(self, trace: deferral.Trace, version, worker, started, part, grads: list,
+                 variables: list) -> None:
+        trace.applies += 1
+        graph = tf.compat.v1.get_default_graph()
+        trace.in_control_flow |= tf_internal.in_control_flow(graph, trace.graph)
+        known = [self.exchange.knows(v) for v in variables]
+        trace.unknown += [deferral.name(v) for v, k in zip(variables, known, strict=True) if not k]
+        grads = [g for g, k in zip(grads, known, strict=True) if k]
+        variables = [v for v, k in zip(variables, known, strict=True) if k]
+        straggler = self.settings.straggler
+        if straggler:
+            grads = straggle(grads, worker == straggler.worker, straggler.factor, started)
+        done = self.exchange.deposit(grads, variables, version, worker, part)
+        # In a nested function (a train_step of its own under tf.function) the deposit's
+        # op stays there: the contribution is then counted as ended without waiting for it.
+        trace.deposited = done if graph is trace.graph else None
+
+    def check(self, batch_spec, task) -> None:
+        """A ConfigError, before training, if the model's train step has an optimizer
+        update that cannot be deferred to one synchronous update."""
+        deferral.check(*self.trace(batch_spec), self.model, self.path, task)
+
+    def trace(self, batch_spec):
+        """(what it did with the optimizer, the traced function) of one contribution on
+        batches of `batch_spec`, traced on the chief and never run."""
+        traces = []
+        probe = tf.function(lambda batch: traces.append(
+            self._contribute(tf.constant(0, tf.int32), lambda: batch)))
+        with self.coordinator.strategy.scope(), deferral.quiet(tf.get_logger()):
+            concrete = probe.get_concrete_function(batch_spec)
+        return traces[-1], concrete
+
+    # -- the chief ---------------------------------------------------------------------------
+
+    def _update(self, then_drain: tf.Tensor) -> tf.Tensor:
+        """Apply the mean of the first N contributions to the current version; with
+        `then_drain`, the last before `drain`."""
+        return self.exchange.update(
+            lambda grads, variables: self.path.apply(self.model.optimizer, grads, variables),
+            then_drain)
 
     def _poll(self) -> tuple[tf.Tensor, tf.Tensor]:
-        """On ps:0: the contributions ended, then the gradients the gate holds for the
-        current version. In that order, a fresh contribution counted as ended is also
-        in the gate's count, so no worker that has pushed for this version looks idle."""
-        ended = self.ended.read_value()
-        with tf.control_dependencies([ended]):
-            return ended, self.gate.num_accumulated(name="gate_num_accumulated")
+        """(contributions to the current version, contributions ended), on ps:0."""
+        with tf.device(PS0):
+            return self.exchange.ready(), self.exchange.ended.read_value()
 
-    def resume_version(self) -> None:
-        """After a restore: the accumulators, new, count time from 0; from the restored
-        version on they take its gradients and drop older ones, as before the restart."""
-        version = self.version.read_value()
-        for accumulator in [*self.accumulators, self.gate]:
-            accumulator.set_global_step(version)
-
-    def _update(self) -> tf.Tensor:
-        """On the ps tasks, driven by the chief: apply the mean of the first N gradients."""
-        grads = [acc.take_grad(self.required) for acc in self.accumulators]
-        taken = self.gate.take_grad(self.required)
-        optimizer = self.model.optimizer
-        optimizer.apply_gradients(zip(grads, self.variables, strict=True),
-                                  skip_gradients_aggregation=True)
-        with tf.control_dependencies([optimizer.iterations]):
-            self.version.assign_add(1)
-        return taken
+    def drain(self) -> None:
+        """Wait for every contribution scheduled to end; those that have not begun end
+        without running (none is waited for by an update)."""
+        self.exchange.draining.assign(True)
+        try:
+            self.coordinator.join()
+        finally:
+            self.exchange.draining.assign(False)
 
 
-@dataclasses.dataclass
-class _Progress:
-    """What fit() counts on the chief: contributions scheduled, updates taken per worker."""
-
-    scheduled: int
-    taken: np.ndarray
+# -- the loop ------------------------------------------------------------------------------
 
 
-def fit(training: SyncTraining, dataset_fn, *, epochs: int, steps_per_epoch: int,
-        callbacks: list[keras.callbacks.Callback], verbose: str | int = 0,
-        backup: SyncBackup | None = None) -> tuple[keras.callbacks.History, dict]:
-    """Train `epochs` x `steps_per_epoch` synchronous updates; Keras callbacks (and
-    its progress bar, by `verbose` as in fit()) run as in fit(). With `backup`, an
-    interrupted run goes on from it, and it is saved as `keras2_backup.Backup` saves
-    fit()'s: at each epoch's end, every `backup.every_steps` steps, and after
-    SIGTERM, when fit() raises `preemption.Preempted`.
+class Pipelines:
+    """Contributions read the next batch of their worker's own pipeline (`dataset_fn`,
+    one per worker): no part of an epoch is tied to a contribution."""
 
-    Returns the history and the sync figures of metrics.json.
+    parts = 0
+
+    def __init__(self, coordinator, dataset_fn):
+        strategy = coordinator.strategy
+        self.iterator = iter(coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(dataset_fn)))
+
+    def args(self, part: int | None) -> tuple:
+        return (self.iterator,)
+
+    def read(self, iterator) -> Any:
+        return next(iterator)
+
+    def part(self, iterator) -> None:
+        return None
+
+
+class ByIndex:
+    """Contributions read their examples by index (`app.indexed`): contribution j of
+    epoch e trains on part j of the epoch, the (j % N)-th N-th of global batch j // N
+    (N = the contributions an update takes), its examples those of the same global
+    batch under any other strategy. A part whose contribution was dropped is handed
+    out again, so every example trains once per epoch (`Exchange.dropped`)."""
+
+    def __init__(self, coordinator, source: indexed.Source, order: indexed.Order,
+                 required: int):
+        # The global batches' order, cut into parts: the same permutation and positions.
+        self.source, self.order = source, dataclasses.replace(
+            order, batch=order.batch // required, steps_per_epoch=order.steps_per_epoch * required)
+        self.parts = self.order.steps_per_epoch
+        self.loaded = (iter(coordinator.create_per_worker_dataset(
+            lambda: indexed.loaded_dataset(source))) if source.load else None)
+
+    def args(self, part: int) -> tuple:
+        return (tf.constant(part, tf.int64), self.loaded)
+
+    def read(self, part: tf.Tensor, loaded) -> Any:
+        return indexed.batch(self.source, self.order, None if loaded is None else next(loaded),
+                             part)
+
+    def part(self, part: tf.Tensor, loaded) -> tf.Tensor:
+        return part % self.parts  # its number within the epoch
+
+
+def fit(training: SyncTraining, source: Pipelines | ByIndex, keras, *, epochs: int,
+        steps_per_epoch: int, callbacks: list, verbose, backup: SyncBackup) -> tuple[Any, dict]:
+    """Train `epochs` x `steps_per_epoch` synchronous updates, `keras`' callbacks (and
+    its progress bar, by `verbose` as in fit()) called as under fit(): a batch is an
+    update. Each contribution reads its batch from `source`. An interrupted run goes on
+    from `backup`, saved as the asynchronous loop's is.
+
+    Returns the history and the figures of metrics.json.
     """
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
-    coordinator = training.coordinator
-    strategy = coordinator.strategy
-    iterator = iter(coordinator.create_per_worker_dataset(
-        lambda: strategy.distribute_datasets_from_function(with_worker_id(dataset_fn))))
+    model, coordinator = training.model, training.coordinator
+
+    @tf.function
+    def contribution(*inputs):
+        training.contribute(lambda: source.read(*inputs), source.part(*inputs))
+
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
-        [*callbacks, history], add_progbar=verbose != 0, model=training.model, epochs=epochs,
+        [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
         steps=steps_per_epoch, verbose=verbose)
-    first_epoch, first_step, taken = (backup.restore() if backup
-                                      else (0, 0, np.zeros(training.num_workers)))
-    # Nothing is in flight yet (after a restart too: `ended` is not in the backup).
-    progress = _Progress(scheduled=int(training.ended.numpy()), taken=taken)
-    callback_list.on_train_begin()
-    for epoch in range(first_epoch, epochs):
-        callback_list.on_epoch_begin(epoch)
-        losses = _train_epoch(training, iterator, callback_list, progress, backup, epoch,
-                              range(first_step if epoch == first_epoch else 0, steps_per_epoch))
-        logs = {"loss": float(np.mean([loss.fetch() for loss in losses]))}
-        callback_list.on_epoch_end(epoch, logs)
-        if backup:
-            backup.epoch_done(epoch, progress.taken)
-    coordinator.join()  # the contributions still running end as dropped
+    first_epoch, first_step = backup.restore()
+    model.stop_training = False
+
+    def schedule(part: int | None) -> None:
+        # In the strategy's scope, as the first trace of tf_keras' train step must be;
+        # the update is not (Keras applies from the default replica context there).
+        with coordinator.strategy.scope():
+            coordinator.schedule(contribution, args=source.args(part))
+
+    parts = _Parts(training.exchange, source.parts) if source.parts else None
+    try:
+        _epochs(training, _Scheduler(training, schedule, parts), callback_list, backup,
+                range(first_epoch, epochs), first_step, steps_per_epoch)
+    except BaseException:
+        # Nothing scheduled may run on after this run, into the next one's restore.
+        with contextlib.suppress(Exception):
+            training.drain()
+        raise
     callback_list.on_train_end()
-    if backup:
-        backup.delete()
-    pushed = training.pushed.numpy()
-    return history, {
-        "contributions": [int(t) for t in progress.taken],
-        "pushed": [int(p) for p in pushed],
-        "stale_dropped": int(pushed.sum() - progress.taken.sum()),
-    }
+    backup.delete()
+    pushed, taken = training.exchange.pushed.numpy(), training.exchange.taken.numpy()
+    return history, {"contributions": [int(t) for t in taken],
+                     "pushed": [int(p) for p in pushed],
+                     "stale_dropped": int(pushed.sum() - taken.sum())}
 
 
-def _train_epoch(training: SyncTraining, iterator, callback_list: keras.callbacks.CallbackList,
-                 progress: _Progress, backup: SyncBackup | None, epoch: int,
-                 steps: range) -> list:
-    """The updates `steps` of `epoch`; the RemoteValues of the losses computed for them."""
-    losses = []
-    for step in steps:
-        callback_list.on_train_batch_begin(step)
-        _gather(training, iterator, progress, losses)
-        progress.taken += training.update().numpy()
-        callback_list.on_train_batch_end(step, {})
-        if backup and step + 1 < steps.stop:  # the last one is saved with its epoch
-            backup.step_done(epoch, step + 1, progress.taken)
-    return losses
+def _epochs(training: SyncTraining, schedule: _Scheduler, callback_list, backup: SyncBackup,
+            epochs: range, first_step: int, steps_per_epoch: int) -> None:
+    model = training.model
+    callback_list.on_train_begin()
+    for epoch in epochs:
+        model.reset_metrics()
+        callback_list.on_epoch_begin(epoch)
+        first = first_step if epoch == epochs.start else 0
+        schedule.begin(epoch, resumed=first > 0)
+        for index in range(first, steps_per_epoch):
+            callback_list.on_train_batch_begin(index)
+            schedule.until_ready()
+            training.update(tf.constant(index + 1 == steps_per_epoch))
+            callback_list.on_train_batch_end(index, None)
+            # After the callbacks: a SIGTERM during them saves this update, and stops.
+            if index + 1 < steps_per_epoch:  # the last one is saved with its epoch
+                backup.step_done(epoch, index + 1)
+        training.drain()  # the epoch's metrics count every contribution it scheduled
+        schedule.drained()
+        logs = {name: float(np.asarray(value))
+                for name, value in model.get_metrics_result().items()}
+        callback_list.on_epoch_end(epoch, logs)
+        backup.epoch_done(epoch)
+        if model.stop_training:
+            break
 
 
-def _gather(training: SyncTraining, iterator, progress: _Progress, losses: list,
-            poll_s: float = 0.001) -> None:
-    """Return once the current version has the gradients its update needs, keeping one
-    contribution in flight per worker that has not yet pushed one for this version.
+class _Parts:
+    """The chief's queue of an epoch's parts to hand out (`ByIndex`): every part not
+    taken yet, then the ones whose contribution was dropped, as they are."""
 
-    The contributions still running (a straggler's) count, so the queue never grows.
-    The count is taken again while waiting: the coordinator hands a closure to
-    whichever worker asks first, so a straggler that ends a stale contribution just
-    after this step's closures were queued can take the one meant for an idle fast
-    worker, and the update would wait for the straggler.
+    def __init__(self, exchange: Exchange, per_epoch: int):
+        self.exchange, self.per_epoch = exchange, per_epoch
+        self.dropped = tf.function(exchange.dropped)
+        self.epoch, self.pending = 0, collections.deque()
 
-    The update's `take_grad` would wait by itself, but blocking on a ps task from the
-    chief stalls that task's requests from the workers in a multi-process cluster
-    (the pushes it waits for), so the chief polls.
-    """
-    while True:
-        ended, accumulated = (int(value) for value in training.poll())
-        if accumulated >= training.required:
-            return
-        short = training.num_workers - (progress.scheduled - ended) - accumulated
-        for _ in range(short):
-            losses.append(training.coordinator.schedule(training.contribute, args=(iterator,)))
-        progress.scheduled += max(short, 0)
-        time.sleep(poll_s)
+    def begin(self, epoch: int, resumed: bool) -> None:
+        """A new epoch: every part pending; resumed mid-epoch, those the backup does not
+        hold as taken."""
+        states = self.exchange.parts.numpy() if resumed else np.zeros(self.per_epoch, np.int32)
+        taken = states == PART_TAKEN
+        self.exchange.parts.assign(np.where(taken, PART_TAKEN, PART_PENDING).astype(np.int32))
+        self.epoch, self.pending = epoch, collections.deque(np.flatnonzero(~taken).tolist())
+
+    def next(self) -> int | None:
+        """The number of the next part to hand out (over all epochs), or None while every
+        part left is out with a contribution."""
+        if not self.pending:
+            self.pending.extend(self.dropped().numpy().tolist())
+        return self.epoch * self.per_epoch + self.pending.popleft() if self.pending else None
+
+
+class _Scheduler:
+    """Keeps workers + 1 contributions outstanding until the current version has the
+    contributions its update needs: every worker has one to run (or to wait in) and
+    one more is queued for the first to finish. The chief polls: blocking on a ps task
+    from the chief stalls that task's requests from the workers in a multi-process
+    cluster (the deposits it waits for)."""
+
+    def __init__(self, training: SyncTraining, schedule: Callable[[int | None], Any],
+                 parts: _Parts | None, poll_s: float = 0.001):
+        self.training, self.schedule, self.parts, self.poll_s = training, schedule, parts, poll_s
+        self.scheduled = int(training.exchange.ended.numpy())
+        self.outstanding = training.settings.num_workers + 1
+
+    def begin(self, epoch: int, resumed: bool) -> None:
+        if self.parts:
+            self.parts.begin(epoch, resumed)
+
+    def until_ready(self) -> None:
+        required = self.training.settings.required
+        coordinator = self.training.coordinator
+        while True:
+            ready, ended = (int(value) for value in self.training.poll())
+            if ready >= required:
+                return
+            coordinator.done()  # raises the error of a contribution that failed
+            for _ in range(self.outstanding - (self.scheduled - ended)):
+                part = self.parts.next() if self.parts else None
+                if self.parts and part is None:
+                    break
+                self.schedule(part)
+                self.scheduled += 1
+            time.sleep(self.poll_s)
+
+    def drained(self) -> None:
+        self.scheduled = int(self.training.exchange.ended.numpy())
 
 
 class SyncBackup(backups.Backup):
     """The backup of a sync run, where BackupAndRestore keeps fit()'s
     (<workdir>/backup/chief): the parameters and the optimizer's slots and step,
-    the version counter, the pushed and taken counts, and the position (epoch,
-    step). Keras' BackupAndRestore cannot serve here: it restores fit()'s loop
-    only, and knows nothing of the version counter.
+    the version, the pushed and taken counts, and the position (epoch, step).
+    Keras' BackupAndRestore cannot serve here: it restores fit()'s loop only, and
+    knows nothing of the version.
 
     Saved by the chief alone, right after an update: the parameters then are
     those of the version saved, whatever contributions are still running.
@@ -324,41 +386,26 @@ class SyncBackup(backups.Backup):
 
     def __init__(self, training: SyncTraining, backup_dir: pathlib.Path, every_steps: int = 0):
         super().__init__(backup_dir / "chief", every_steps)
+        exchange = training.exchange
         self.training = training
-        # On the chief (no strategy scope): the position, the updates taken per worker.
-        self._taken = tf.Variable(tf.zeros([training.num_workers], tf.int64), trainable=False,
-                                  name="backup_taken")
-        self.taken = np.zeros(training.num_workers)  # so far, as of the position
-        self.track(model=training.model, version=training.version, pushed=training.pushed,
-                   taken=self._taken)
-
-    def restore(self) -> tuple[int, int, np.ndarray]:
-        """Restore the last backup, if there is one: (epoch, step) to go on from, and
-        the updates taken so far per worker. From here on SIGTERM means save and stop."""
-        epoch, step = super().restore()
-        return epoch, step, self._taken.numpy().astype(np.float64)  # the gate counts in float32
+        self.track(model=training.model, optimizer=training.model.optimizer,
+                   version=exchange.version, pushed=exchange.pushed, taken=exchange.taken,
+                   parts=exchange.parts)
 
     def resumed(self, path: str) -> None:
-        self.training.resume_version()
         log.info("resumed from %s: epoch %d, step %d, version %d", path,
                  int(self._epoch.numpy()) + 1, int(self._step.numpy()),
-                 int(self.training.version.numpy()))
+                 int(self.training.exchange.version.numpy()))
 
-    def step_done(self, epoch: int, done: int, taken: np.ndarray) -> None:
+    def step_done(self, epoch: int, done: int) -> None:
         """After update `done` of `epoch` (not its last): save if due, or on SIGTERM."""
         self.steps_run()
         self.at(epoch, done)
-        self.taken = taken
         self.stop_if_asked()
         if self.due():
             self.save()
 
-    def epoch_done(self, epoch: int, taken: np.ndarray) -> None:
+    def epoch_done(self, epoch: int) -> None:
         self.at(epoch + 1, 0)
-        self.taken = taken
         self.save()
         self.stop_if_saved_and_asked()
-
-    def write(self, epoch: int, step: int) -> None:
-        self._taken.assign(self.taken.astype(np.int64))
-        super().write(epoch, step)
