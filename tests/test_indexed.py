@@ -2,14 +2,14 @@
 global batches however the input is split, a pipeline that starts where the backup
 left off, and the sources app/data.py makes."""
 
-import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import data, indexed, strategy, trainer
+from app import data, indexed, records, strategy, trainer
+from app.config import ConfigError
 from app.task import Task
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import IndexedNumbered, Params
@@ -83,7 +83,7 @@ def test_indexed_arrays_read_the_rows_asked_for_in_the_graph_or_through_files(
                   "name": np.array([f"n{i}".encode() for i in range(50)])}
         source = data.indexed_arrays(images, labels)
         indices = tf.constant([49, 0, 7, 7], tf.int64)
-        x, y = source.read(source.load(), indices)
+        x, y = source.read(source.load() if source.load else None, indices)
     finally:
         data.use_storage(None)
     np.testing.assert_array_equal(x.numpy(), images[[49, 0, 7, 7]])
@@ -91,7 +91,7 @@ def test_indexed_arrays_read_the_rows_asked_for_in_the_graph_or_through_files(
     np.testing.assert_array_equal(y["ok"].numpy(), labels["ok"][[49, 0, 7, 7]])
     assert list(y["name"].numpy()) == [b"n49", b"n0", b"n7", b"n7"]
     assert source.size == 50
-    assert any(tmp_path.rglob("*.bin")) == in_files
+    assert any(tmp_path.rglob("*.rows.tfrecord")) == in_files
 
 
 def test_records_written_with_their_index_are_read_by_index(tmp_path):
@@ -99,10 +99,10 @@ def test_records_written_with_their_index_are_read_by_index(tmp_path):
     paths = [tmp_path / "a.tfrecord", tmp_path / "b.tfrecord"]
     data.write_records(paths[0], {k: v[:4] for k, v in columns.items()})
     data.write_records(paths[1], {k: v[4:] for k, v in columns.items()})
-    assert json.loads((tmp_path / "a.tfrecord.index.json").read_text()) == {"records": 4}
+    assert records.read_index(paths[0]).records == 4
     source = data.indexed_records(paths, {"x": ([3], tf.float32), "y": ([], tf.int64)},
                                   example=lambda f: (f["x"], f["y"]))
-    x, y = source.read(source.load(), tf.constant([9, 3, 4], tf.int64))
+    x, y = source.read(None, tf.constant([9, 3, 4], tf.int64))
     assert source.size == 10
     np.testing.assert_array_equal(x.numpy(), columns["x"][[9, 3, 4]])
     np.testing.assert_array_equal(y.numpy(), [9, 3, 4])
@@ -112,8 +112,10 @@ def test_records_without_their_index_are_refused_with_the_fix(tmp_path):
     path = tmp_path / "old.tfrecord"
     with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(b"x")
-    with pytest.raises(ValueError, match="old.tfrecord has no index beside it .*write it with "
-                                         "app.data.write_records, which writes both"):
+    with pytest.raises(ConfigError, match=r"old.tfrecord has no index beside it, which reading "
+                                          r"by index needs \(.*old.tfrecord.index, with every "
+                                          r"record's offset\); make it: python -m "
+                                          r"tools.index_records .*old.tfrecord$"):
         data.indexed_records([path], {"x": ([], tf.int64)})
 
 
@@ -131,7 +133,8 @@ def test_a_run_by_index_trains_on_every_example_once_an_epoch(tmp_path, kind, ca
         metrics = numbered_run(tmp_path, chosen)
     assert metrics["input"] == "by_index" and metrics["input_guarantee"] == "exactly_once"
     assert metrics["visits_min"] == metrics["visits_max"] == 2, metrics  # two epochs
-    assert "input: by index, 256 examples in an order of (train.seed, epoch)" in caplog.text
+    assert ("input: by index, 256 examples, in an order of (train.seed, epoch): one "
+            "permutation of all the examples; every example once per epoch") in caplog.text
 
 
 def test_without_by_index_the_task_pipeline_is_read_and_the_run_says_so(tmp_path, caplog):

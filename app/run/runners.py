@@ -150,6 +150,9 @@ class SingleHost:
     # whether a step it runs again (after a worker died) may have been applied already.
     reads_by_index = True
     reruns_applied_steps = False
+    # Whether its input pipelines read examples from files a window ahead
+    # (indexed.dataset), rather than a batch at a time inside each step.
+    reads_ahead = True
     # Whether updates are ps.mode = sync's, in that loop's own step (app/distribute/ps/sync.py).
     synchronous_ps = False
 
@@ -277,6 +280,7 @@ class AsyncPS(SingleHost):
 
     # The coordinator runs a dead worker's step again, whose update may have landed.
     reruns_applied_steps = True
+    reads_ahead = False
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config)
