@@ -16,7 +16,8 @@ from tests.numbered import IndexedNumbered, Params
 
 
 def batches(order: indexed.Order, steps) -> list[np.ndarray]:
-    return [order.indices(step)[0].numpy() for step in steps]
+    indices = tf.function(order.indices)  # traced once: the steps are tensors
+    return [indices(tf.constant(step, tf.int64))[0].numpy() for step in steps]
 
 
 def test_each_epoch_is_a_permutation_of_seed_and_epoch_alone():
@@ -61,6 +62,57 @@ def test_a_pipeline_starts_at_the_step_set_before_it_is_read_not_when_it_is_buil
                                tf.distribute.InputContext(), first.read_value)
     first.assign(5)  # as the backup's restore does, after fit() built its input
     np.testing.assert_array_equal(next(iter(elements)).numpy(), order.indices(5)[0].numpy())
+
+
+def windowed(size=1000, batch=40, steps_per_epoch=25, seed=3, shard=64, window=3):
+    return indexed.Order(size, batch, steps_per_epoch, seed, shard=shard, window=window)
+
+
+@pytest.mark.parametrize("size, shard, window", [(1000, 64, 3), (1024, 64, 4), (1000, 2000, 2),
+                                                 (1000, 1, 1000), (1000, 1000, 1)])
+def test_a_windowed_epoch_is_a_permutation_of_seed_and_epoch_alone(size, shard, window):
+    steps = size // 8
+    order = windowed(size=size, batch=8, steps_per_epoch=steps, shard=shard, window=window)
+    epochs = [np.concatenate(batches(order, range(e * steps, (e + 1) * steps)))
+              for e in range(2)]
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(size))
+    assert not np.array_equal(*epochs)
+    again = windowed(size=size, batch=8, steps_per_epoch=steps, shard=shard, window=window)
+    np.testing.assert_array_equal(np.concatenate(batches(again, range(steps))), epochs[0])
+
+
+def test_a_windowed_order_reads_each_window_from_its_own_shards():
+    order = windowed()  # 16 shards of 64 (the last of 40), windows of 3 shards: 192 examples
+    epoch = np.concatenate(batches(order, range(25)))
+    for start in range(0, 1000, 192):
+        shards = np.unique(epoch[start:start + 192] // 64)
+        assert len(shards) == min(3, 16 - start // 192 * 3)
+        # Whole shards: a window holds every example of each of its shards.
+        assert len(epoch[start:start + 192]) == sum(min(64, 1000 - s * 64) for s in shards)
+    assert np.all(epoch[-40:] // 64 == 15)  # the short shard, last: its window holds it alone
+
+
+@pytest.mark.parametrize("pipelines, first", [(1, 37), (2, 0), (4, 13)])
+def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, first):
+    """What the synchronous strategies read (a window at a time, each shard in one
+    run) is what a parameter-server step reads (`Order.indices`), however the input is
+    split and wherever it starts; an epoch longer than the examples goes on to a new
+    permutation."""
+    order = windowed(size=500, batch=40, steps_per_epoch=20, shard=48, window=3)  # 800 a pass
+
+    def span(loaded, starts, counts):
+        return tf.strings.as_string(tf.ragged.range(starts, starts + counts).flat_values)
+
+    source = indexed.Source(500, lambda loaded, i: i, span=span,
+                            decode=lambda raw: tf.strings.to_number(raw, tf.int64))
+    read = []
+    for pipeline in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, pipeline, pipelines)
+        elements = indexed.dataset(source, order, context, lambda: tf.constant(first, tf.int64))
+        read.append([e.numpy() for e in elements.take(45)])
+    for k, expected in enumerate(batches(order, range(first, first + 45))):
+        np.testing.assert_array_equal(np.concatenate([part[k] for part in read]), expected)
 
 
 def test_augmentation_seeds_follow_the_example_and_the_epoch():
