@@ -247,12 +247,14 @@ def _features(spec: dict[str, tuple[Sequence[int], tf.DType]]) -> dict[str, Any]
 
 def indexed_records(files: Sequence[str | pathlib.Path],
                     spec: dict[str, tuple[Sequence[int], tf.DType]],
-                    example: Callable[[dict[str, tf.Tensor]], Any] | None = None
+                    example: Callable[[dict[str, tf.Tensor]], Any] | None = None, *,
+                    augment: Callable[[Any, tf.Tensor], Any] | None = None
                     ) -> indexed.Source:
     """The examples of uncompressed TFRecord files of tf.train.Examples, by index
     (`Task.train_source`): example i is record i of the files in the order given.
     A batch is parsed to a dict of the features in `spec` (as `read_records`), then
-    made what fit() takes by `example(features)`, e.g. a (features, label) pair.
+    made what fit() takes by `example(features)`, e.g. a (features, label) pair;
+    `augment(batch, seeds)` then adds per-example randomness (`indexed.Source`).
 
     Each file needs its index beside it (`<file>.index`), which `write_records`
     writes; for files written elsewhere, `python -m tools.index_records FILES`.
@@ -268,6 +270,7 @@ def indexed_records(files: Sequence[str | pathlib.Path],
         return example(parsed) if example else parsed
 
     return indexed.Source(stored.size, lambda loaded, indices: decode(stored.read(indices)),
+                          augment=augment,
                           span=lambda loaded, starts, counts: stored.spans(starts, counts),
                           decode=decode, stored_bytes=stored.bytes)
 

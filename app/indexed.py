@@ -81,10 +81,18 @@ class Order:
     reads `batch` places anywhere in the data. `shard` > 0, a windowed permutation,
     as MosaicML Streaming's shuffles are: the examples in shards of `shard`
     consecutive indices (the last one shorter), the shards permuted (the short one
-    kept last), and the examples shuffled within each window of `window`
-    consecutive shards of that permutation. Each window is read whole once per epoch
-    (`dataset`), or its batches read from `window` shards at most (`batch`). Both are
-    pure functions of (seed, epoch, index): the number of workers does not enter."""
+    kept last), and the examples of each window of `window` consecutive shards of
+    that permutation shuffled among themselves: in a window of whole shards, each
+    shard in its own random order, the window takes its shards' examples in turn
+    (position u of the window is example u // window of shard u % window), so that
+    every `window` consecutive positions hold one example of each shard; the last,
+    short window is shuffled as one. A reader of the synchronous strategies reads
+    each window once per epoch, each shard in one run (`dataset`), and input
+    pipeline i of n only the shards in turns i, i + n, ... of it when n divides
+    `window` and `window` divides `batch` (`pipeline_shards`); a parameter-server
+    step reads its batch's records one by one, from `window` shards at most
+    (`batch`). Both are pure functions of (seed, epoch, index): the number of workers
+    does not enter."""
 
     size: int
     batch: int
@@ -112,6 +120,14 @@ class Order:
                 f"permuted, the examples shuffled within windows of {self.window} shards "
                 f"({self.window_examples} examples)")
 
+    def pipeline_shards(self, pipelines: int) -> bool:
+        """Whether each of `pipelines` input pipelines can take its part of every global
+        batch from shards of its own (the turns i, i + n, ... of each whole window): the
+        pipelines divide a window's turns, the turns divide a batch, and an epoch is one
+        pass, so that every batch starts at a window's first turn."""
+        return (self.shard > 0 and self.window % pipelines == 0 and self.batch % self.window == 0
+                and self.steps_per_epoch * self.batch <= self.size)
+
     def indices(self, step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """The example indices of global batch `step` (int64 [batch]), and their
         augmentation seeds (int64 [batch, 2])."""
@@ -135,10 +151,16 @@ class Order:
         per_window = self.window_examples
         windows = positions // per_window
         in_window = positions - windows * per_window
-        window_size = tf.minimum(self.size - windows * per_window, per_window)
-        # The window's own shuffle: seeds apart from the shards' (pass * 2**32, below).
-        place = _shuffle(in_window, self.seed, epochs, passes * 2**32 + windows + 1,
-                         window_size)
+        # Streams of seeds apart from the shards' permutation (pass * 2**32, shard_at):
+        # one per shard of a whole window, one for the last window.
+        streams = passes * 2**32 + 1
+        turns = in_window % self.window
+        within = _shuffle(in_window // self.window, self.seed, epochs,
+                          streams + windows * self.window + turns, self.shard)
+        short = self.size - windows * per_window
+        last = _shuffle(in_window, self.seed, epochs, streams + self.shards,
+                        tf.maximum(tf.minimum(short, per_window), 1))
+        place = tf.where(short >= per_window, turns * self.shard + within, last)
         slots = windows * self.window + place // self.shard
         return place, self.shard_at(slots, epochs, passes) * self.shard + place % self.shard
 
@@ -194,8 +216,10 @@ def dataset(source: Source, order: Order, context: tf.distribute.InputContext,
             first_step: Callable[[], tf.Tensor]) -> tf.data.Dataset:
     """This input pipeline's part of every global batch from `first_step()` on, one
     element per replica it feeds: pipeline i of n takes the i-th n-th of each global
-    batch, and its replicas that part's consecutive slices. `first_step` is read when
-    the pipeline starts (after a backup was restored), not when it is built.
+    batch (or, reading a windowed order from files, the examples of its own shards:
+    `Order.pipeline_shards`), and its replicas that part's consecutive slices.
+    `first_step` is read when the pipeline starts (after a backup was restored), not
+    when it is built.
 
     Examples stored in files (`Source.span`) in a windowed order are read a window at
     a time, its shards each in one sequential read, the next window read while this
@@ -204,18 +228,18 @@ def dataset(source: Source, order: Order, context: tf.distribute.InputContext,
     replicas = max(context.num_replicas_in_sync // pipelines, 1)
     per_replica = context.get_per_replica_batch_size(order.batch)
 
-    def part(tensor):
-        return tf.reshape(tensor, [pipelines, replicas, per_replica])[pipeline]
-
     if order.shard and source.span is not None:
         def decode(raw, indices, epochs):
             return source.decode(raw), augment_seeds(order.seed, epochs, indices)
 
-        def parts(raw, indices, epochs):
-            return part(raw), part(indices), part(epochs)
+        def replica_parts(*tensors):
+            return tuple(tf.reshape(t, [replicas, per_replica]) for t in tensors)
 
-        batches = _window_batches(source, order, first_step).map(parts).unbatch()
-        return _finish(source, batches.map(decode))
+        batches = _window_batches(source, order, first_step, pipelines, pipeline)
+        return _finish(source, batches.map(replica_parts).unbatch().map(decode))
+
+    def part(tensor):
+        return tf.reshape(tensor, [pipelines, replicas, per_replica])[pipeline]
 
     def step_parts(step):
         indices, seeds = order.indices(step)
@@ -227,17 +251,19 @@ def dataset(source: Source, order: Order, context: tf.distribute.InputContext,
     return _read(source, tf.data.Dataset.range(1).flat_map(steps).map(step_parts).unbatch())
 
 
-def _window_batches(source: Source, order: Order,
-                    first_step: Callable[[], tf.Tensor]) -> tf.data.Dataset:
-    """Every global batch from `first_step()` on as (raw records, example indices,
-    epochs), read window by window: each window's shards in one sequential read each
-    (`Source.span`), its examples then taken in the window's order. A window read
-    ahead (prefetch) and the one in use, with the batches taken from it: what a
-    reader holds, whatever the size of the data set."""
+def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Tensor],
+                    pipelines: int, pipeline: int) -> tf.data.Dataset:
+    """This pipeline's part of every global batch from `first_step()` on as (raw
+    records, example indices, epochs), read window by window: each of the window's
+    shards it needs in one sequential read (`Source.span`), its examples then taken in
+    the window's order. A window read ahead (prefetch) and the one in use, with the
+    batches taken from it: what a reader holds, whatever the size of the data set."""
     per_epoch = order.steps_per_epoch * order.batch
     per_window = order.window_examples
     windows = -(-order.size // per_window)
     passes = -(-per_epoch // order.size)
+    part = order.batch // pipelines
+    own_shards = order.pipeline_shards(pipelines)
 
     def segments(_):
         """(epoch, pass, window, first position, end): the positions of an epoch each
@@ -260,24 +286,39 @@ def _window_batches(source: Source, order: Order,
         return (tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(of_epoch).map(bounds)
                 .filter(lambda epoch, pass_, window, start, end: start < end))
 
+    def mine(positions):
+        """The positions of this pipeline's part of their batches."""
+        if own_shards:  # every batch starts at a window's first turn
+            return (positions % order.window) % pipelines == pipeline
+        return (positions % order.batch) // part == pipeline
+
     def read(loaded, segment):
         epoch, pass_, window, start, end = segment
-        slots = tf.range(window * order.window,
-                         tf.minimum((window + 1) * order.window, order.shards))
+        positions = tf.range(start, end)
+        positions = tf.boolean_mask(positions, mine(positions)) - pass_ * order.size
+        epochs = tf.fill(tf.shape(positions), epoch)
+        place, indices = order.in_window(positions, epochs, tf.fill(tf.shape(positions), pass_))
+        # The window's turns this pipeline takes examples from: its own, in a whole
+        # window of its own shards; else all of them.
+        whole = order.size - window * per_window >= per_window
+        first, every = ((pipeline, pipelines) if own_shards else (0, 1))
+        first = tf.where(whole, tf.constant(first, tf.int64), 0)
+        every = tf.where(whole, tf.constant(every, tf.int64), 1)
+        turns = tf.range(first, tf.minimum(order.shards - window * order.window, order.window),
+                         every)
+        slots = window * order.window + turns
         shards = order.shard_at(slots, tf.fill(tf.shape(slots), epoch),
                                 tf.fill(tf.shape(slots), pass_))
         raw = source.span(loaded, shards * order.shard,
                           tf.minimum(order.size - shards * order.shard, order.shard))
-        positions = tf.range(start, end) - pass_ * order.size
-        epochs = tf.fill(tf.shape(positions), epoch)
-        place, indices = order.in_window(positions, epochs, tf.fill(tf.shape(positions), pass_))
-        return tf.gather(raw, place), indices, epochs
+        taken = ((place // order.shard - first) // every) * order.shard + place % order.shard
+        return tf.gather(raw, taken), indices, epochs
 
     segments = tf.data.Dataset.range(1).flat_map(segments)
     loaded = loaded_dataset(source) if source.load else tf.data.Dataset.from_tensors(0).repeat()
     return (tf.data.Dataset.zip(loaded, segments)
             .map(lambda loaded, segment: read(None if source.load is None else loaded, segment))
-            .prefetch(1).rebatch(order.batch))
+            .prefetch(1).rebatch(part))
 
 
 def pipeline(source: Source, indices: tf.data.Dataset, batch_size: int,

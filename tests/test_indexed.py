@@ -93,15 +93,21 @@ def test_a_windowed_order_reads_each_window_from_its_own_shards():
     assert np.all(epoch[-40:] // 64 == 15)  # the short shard, last: its window holds it alone
 
 
-@pytest.mark.parametrize("pipelines, first", [(1, 37), (2, 0), (4, 13)])
-def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, first):
+@pytest.mark.parametrize("pipelines, first, window", [(1, 37, 3), (2, 0, 3), (4, 13, 3),
+                                                      (2, 5, 4), (4, 0, 4)])
+def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, first, window):
     """What the synchronous strategies read (a window at a time, each shard in one
     run) is what a parameter-server step reads (`Order.indices`), however the input is
     split and wherever it starts; an epoch longer than the examples goes on to a new
-    permutation."""
-    order = windowed(size=500, batch=40, steps_per_epoch=20, shard=48, window=3)  # 800 a pass
+    permutation. With windows of 4 shards, 2 or 4 pipelines each read shards of their
+    own (`Order.pipeline_shards`): together, every record once."""
+    steps = 20 if window == 3 else 12  # 800 examples an epoch, or 480 in one pass
+    order = windowed(size=500, batch=40, steps_per_epoch=steps, shard=48, window=window)
+    assert order.pipeline_shards(pipelines) == (window == 4)
+    records_read = tf.Variable(0, dtype=tf.int64)
 
     def span(loaded, starts, counts):
+        records_read.assign_add(tf.reduce_sum(counts))
         return tf.strings.as_string(tf.ragged.range(starts, starts + counts).flat_values)
 
     source = indexed.Source(500, lambda loaded, i: i, span=span,
@@ -110,9 +116,12 @@ def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, firs
     for pipeline in range(pipelines):
         context = tf.distribute.InputContext(pipelines, pipeline, pipelines)
         elements = indexed.dataset(source, order, context, lambda: tf.constant(first, tf.int64))
-        read.append([e.numpy() for e in elements.take(45)])
-    for k, expected in enumerate(batches(order, range(first, first + 45))):
-        np.testing.assert_array_equal(np.concatenate([part[k] for part in read]), expected)
+        read.append([e.numpy() for e in elements.take(3 * steps)])
+    for k, expected in enumerate(batches(order, range(first, first + 3 * steps))):
+        np.testing.assert_array_equal(np.sort(np.concatenate([part[k] for part in read])),
+                                      np.sort(expected))
+    if window == 4 and first == 0:  # three epochs of 480 of the 500, and the windows ahead
+        assert records_read.numpy() < 3 * 500 + 2 * pipelines * 192, records_read.numpy()
 
 
 def test_augmentation_seeds_follow_the_example_and_the_epoch():

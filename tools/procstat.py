@@ -89,3 +89,22 @@ def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
             if line.startswith("VmHWM:"):
                 found[p] = task, int(line.split()[1]) * 1024
     return found
+
+
+def read_chars(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """Per pid: its cluster task type (`task_type`) and the bytes it has read so far
+    through read() and pread() calls (`rchar` of /proc/<pid>/io: from the page cache
+    or the disk alike)."""
+    found = {}
+    for p in pids:
+        try:
+            io = pathlib.Path(f"/proc/{p}/io").read_text()
+        except OSError:
+            continue  # ended meanwhile
+        task = task_type(p)
+        if task is None:
+            continue
+        for line in io.splitlines():
+            if line.startswith("rchar:"):
+                found[p] = task, int(line.split()[1])
+    return found
