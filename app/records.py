@@ -76,11 +76,21 @@ def _chunk_record(offsets: np.ndarray) -> bytes:
 
 
 def _sample_crc(path: str, size: int) -> list[int]:
-    with open(path, "rb") as f:
+    with tf.io.gfile.GFile(path, "rb") as f:
         head = f.read(SAMPLE)
         f.seek(max(size - SAMPLE, 0))
         tail = f.read(SAMPLE)
     return [zlib.crc32(head), zlib.crc32(tail)]
+
+
+def _size(path: str) -> int:
+    return tf.io.gfile.stat(path).length
+
+
+def local(path: str | os.PathLike) -> str:
+    """`path` as every task of a cluster names it: absolute, unless a URL (gs://...)."""
+    path = os.fspath(path)
+    return path if "://" in path else os.path.abspath(path)
 
 
 def write_index(path: str | os.PathLike, offsets: np.ndarray, size: int) -> str:
@@ -95,7 +105,7 @@ def write_index(path: str | os.PathLike, offsets: np.ndarray, size: int) -> str:
         writer.write(json.dumps(meta).encode())
         for start in range(0, len(offsets), CHUNK):
             writer.write(_chunk_record(offsets[start:start + CHUNK]))
-    os.replace(partial, target)
+    tf.io.gfile.rename(partial, target, overwrite=True)
     return target
 
 
@@ -104,10 +114,10 @@ def scan_offsets(path: str | os.PathLike) -> np.ndarray:
     its frames alone (8 bytes read a record, in blocks); raises RecordsError if the
     frames do not end exactly at the file's last byte (a compressed or damaged file)."""
     path = os.fspath(path)
-    size = os.path.getsize(path)
+    size = _size(path)
     offsets = array.array("q")
     position = 0
-    with open(path, "rb") as f:
+    with tf.io.gfile.GFile(path, "rb") as f:
         while position < size:
             f.seek(position)
             block = f.read(_SCAN_BLOCK)
@@ -126,7 +136,7 @@ def scan_offsets(path: str | os.PathLike) -> np.ndarray:
 def compression(path: str | os.PathLike) -> str:
     """"GZIP" or "ZLIB" if `path` reads as a TFRecord file compressed so, else ""."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with tf.io.gfile.GFile(path, "rb") as f:
         magic = f.read(2)
     kinds = ["GZIP"] if magic == b"\x1f\x8b" else ["ZLIB"] if magic[:1] == b"\x78" else []
     for kind in kinds:
@@ -152,7 +162,7 @@ def index_file(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     offsets = scan_offsets(path)
     _check_first_and_last(path, offsets)
-    return write_index(path, offsets, os.path.getsize(path))
+    return write_index(path, offsets, _size(path))
 
 
 def _check_first_and_last(path: str, offsets: np.ndarray) -> None:
@@ -184,7 +194,7 @@ def decompress(path: str | os.PathLike, out: str | os.PathLike | None = None) ->
         stem, suffix = os.path.splitext(path)
         out = stem if suffix in (".gz", ".gzip", ".zz", ".zlib") else f"{path}.uncompressed"
     out = os.fspath(out)
-    if os.path.exists(out):
+    if tf.io.gfile.exists(out):
         raise RecordsError(f"{out} exists already; move it away or give another --out")
     partial = f"{out}.{os.getpid()}.partial"
     offsets, position = [], 0
@@ -194,7 +204,7 @@ def decompress(path: str | os.PathLike, out: str | os.PathLike | None = None) ->
             writer.write(data)
             offsets.append(position)
             position += framed(len(data))
-    os.replace(partial, out)
+    tf.io.gfile.rename(partial, out, overwrite=True)
     write_index(out, np.asarray(offsets, np.int64), position)
     return out
 
@@ -215,20 +225,20 @@ def read_index(path: str | os.PathLike) -> Index:
     kind, or if the file changed after it was indexed."""
     path = os.fspath(path)
     index = index_path(path)
-    if not os.path.exists(index):
-        older = os.path.exists(f"{path}{OLD_INDEX_SUFFIX}")
+    if not tf.io.gfile.exists(index):
+        older = tf.io.gfile.exists(f"{path}{OLD_INDEX_SUFFIX}")
         raise RecordsError(
             f"{path} has {'only an older index' if older else 'no index'} beside it, which "
             f"reading by index needs ({index}, with every record's offset); make it: "
             f"{INDEX_COMMAND} {path}")
-    with open(index, "rb") as f:
+    with tf.io.gfile.GFile(index, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         f.seek(HEADER)
         meta = json.loads(f.read(length))
     if meta.get("format") != FORMAT or meta.get("chunk") != CHUNK:
         raise RecordsError(f"{index} is of another format ({meta.get('format')}); make it anew: "
                           f"{INDEX_COMMAND} {path}")
-    size = os.path.getsize(path)
+    size = _size(path)
     if size != meta["bytes"] or _sample_crc(path, size) != meta["sample_crc32"]:
         what = (f"{size} bytes, its index says {meta['bytes']}" if size != meta["bytes"]
                 else "its first or last 64 KiB differ from when it was indexed")
@@ -269,7 +279,7 @@ class Files:
     @classmethod
     def indexed(cls, names: Iterable[str | os.PathLike]) -> Files:
         """Files read through their indexes, each checked (`read_index`)."""
-        names = tuple(os.fspath(n) for n in names)
+        names = tuple(local(n) for n in names)
         if not names:
             raise RecordsError("no files given")
         indexes = [read_index(n) for n in names]
@@ -349,6 +359,8 @@ class Files:
         file_starts = tf.gather(self._starts(), files)
         lo = tf.maximum(run_starts, file_starts) - file_starts
         hi = tf.minimum(run_ends, tf.gather(self._starts(), files + 1)) - file_starts
+        pieces = hi > lo  # not the empty files a run passes over
+        files, lo, hi = (tf.boolean_mask(t, pieces) for t in (files, lo, hi))
         names = tf.gather(tf.constant(self.names), files)
 
         def piece(name, offset, n):

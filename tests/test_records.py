@@ -29,10 +29,10 @@ def numbered(n: int, start: int = 0, rng=None) -> list[bytes]:
 
 @pytest.fixture
 def files(tmp_path):
-    """Four indexed files of 1000, 1, 1500 and 700 records (a file of one record among
-    them), numbered across them in order."""
+    """Five indexed files of 1000, 1, 1500, 0 and 700 records (a file of one record and
+    an empty one among them), numbered across them in order."""
     paths, start = [], 0
-    for k, count in enumerate([1000, 1, 1500, 700]):
+    for k, count in enumerate([1000, 1, 1500, 0, 700]):
         path = tmp_path / f"part-{k}.tfrecord"
         write_plain(path, numbered(count, start))
         records.index_file(path)
@@ -46,7 +46,7 @@ def number_of(record: bytes) -> int:
 
 
 def test_records_are_read_by_number_across_files_eagerly_and_in_a_function(files):
-    assert files.size == 3201 and files.counts == (1000, 1, 1500, 700)
+    assert files.size == 3201 and files.counts == (1000, 1, 1500, 0, 700)
     wanted = [3200, 0, 1000, 999, 1001, 2500, 2500, 17]
     assert [number_of(r) for r in files.read(tf.constant(wanted)).numpy()] == wanted
     read = tf.function(files.read)  # as a step traced on the chief runs on a worker

@@ -38,13 +38,15 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    from app import records  # TensorFlow starts here, after the arguments are checked
+    import tensorflow as tf  # starts here, after the arguments are checked
+
+    from app import records
 
     failed = 0
     for path in args.files:
         start = time.perf_counter()
         try:
-            if not os.path.isfile(path):
+            if not tf.io.gfile.exists(path):
                 raise records.RecordsError(f"{path}: no such file")
             if args.decompress:
                 path = records.decompress(path)
