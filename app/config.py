@@ -11,11 +11,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tomllib
 import typing
 from collections.abc import Mapping
 from typing import Any
-
-import tomllib
 
 # The smallest runtime.memory_limit_gib: TensorFlow's import alone holds 0.6 GiB
 # resident (app/cluster/memory.py), and a task builds a model and a batch besides.
@@ -52,7 +51,7 @@ def field(default: Any, *, choices: tuple[str, ...] = (), minimum: float | None 
 class TaskConfig:
     """What to train: the task, and its own parameters as the other keys of `[task]`."""
 
-    # A built-in task ("mnist") or an import path "package.module:ClassName"
+    # A built-in task ("mnist", "recommender") or an import path "package.module:ClassName"
     # (app/task.py), found from the current directory and PYTHONPATH.
     name: str = "mnist"
     # The other keys of [task]: the task's own parameters, checked by its Params
@@ -149,7 +148,7 @@ class TrainConfig:
     # state the backup holds (other numbers than without it; Keras 3's layers
     # always keep theirs there). Without it a resumed Keras 2 run draws its first
     # steps' dropout masks again. Refused under parameter servers (updates arrive
-    # in no fixed order). docs/launching.md, "Resuming bit for bit".
+    # in no fixed order). docs/restarts.md, "Resuming bit for bit".
     deterministic: bool = False
     # Keras verbosity: "auto" shows a progress bar on a terminal.
     verbose: str = field("auto", choices=("auto", "0", "1", "2"))
@@ -374,8 +373,8 @@ def validate(config: Config) -> None:
                           "-m app.distribute.data_service dispatcher`, or to \"\" to read input "
                           "in the trainers")
     if not config.task.name:
-        raise ConfigError("task.name is empty; name a built-in task (mnist) or an import "
-                          "path like 'my_package.my_module:MyTask'")
+        raise ConfigError("task.name is empty; name a built-in task (e.g. mnist) or an "
+                          "import path like 'my_package.my_module:MyTask'")
 
 
 def check_section(name: str, values: Any) -> None:

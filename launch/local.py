@@ -321,7 +321,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
     parser.add_argument("--max-restarts", type=int,
                         help="relaunch up to N times after a failure (any exit code but 2, "
-                             "a configuration or storage error, and 5, out of memory); "
+                             "a configuration or storage error, 5, out of memory, and 6, a "
+                             "failed export); "
                              "training resumes from the workdir's backup. Default: 0 with "
                              "--restart job, 3 with --restart task")
     parser.add_argument("--restart", choices=("job", "task"), default="job",

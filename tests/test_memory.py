@@ -73,7 +73,8 @@ def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
                            "(runtime.memory_limit_gib = 1 GiB), allocating a tensor of "
                            "shape ["), last
     assert last.endswith("raise the limit, or add ps tasks to spread the tables (python -m "
-                         "tools.plan --memory-limit-gib 1 says how many); exit code 5"), last
+                         "tools.plan --config <the run's config> --memory-limit-gib 1 says how "
+                         "many); exit code 5"), last
 
 
 @pytest.mark.parametrize("fault", ["refused", "wild"])
@@ -153,6 +154,21 @@ def test_plan_names_how_many_ps_tasks_would_fit(small_tables):
     assert all(nbytes <= memory.GIB for nbytes in fits.values()), fits
     # The chief holds no table: its peak is the same whatever the tables' size.
     assert fits["chief"] < memory.BASELINE_BYTES + plan_memory.COORDINATOR_BYTES + (8 << 20)
+
+
+def test_plan_without_ps_tasks_plans_the_fewest_that_fit(small_tables, capsys):
+    assert plan_memory.fewest_ps(small_tables, 2, limit_gib=1, place=plan.place) == 3
+    with pytest.raises(cfg.ConfigError, match="no number of ps tasks fits"):
+        plan_memory.fewest_ps(small_tables, 2, limit_gib=0.6, place=plan.place)
+    # What the out-of-memory error suggests: the run's config, its limit, no --ps.
+    from tools import plan as plan_command
+
+    assert plan_command.main(["--config", "configs/recommender.toml", "--memory-limit-gib", "1",
+                              *[arg for s in SMALL_TABLES for arg in ("--set", s)]]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("3 ps task(s) fit runtime.memory_limit_gib = 1 GiB with 2 worker(s) "
+                          "(--ps 3):\n"), out
+    assert "  ps:2 " in out and "  ps:3 " not in out
 
 
 @pytest.mark.slow

@@ -50,6 +50,8 @@ def test_plan_command_prints_the_report(capsys):
     assert re.search(r"\n  dense\S*/kernel +2 shard\(s\) on ps:\d ps:\d ", out)
     assert "max/mean = 1.013" in out
     assert plan_command.main(["--ps", "-1"]) == 2
+    assert plan_command.main([]) == 2  # how many ps tasks? Only a memory limit can say
+    assert "error: --ps N: the number of ps tasks to plan for" in capsys.readouterr().err
 
 
 def test_a_link_turns_the_busiest_directions_bytes_into_a_step_time_bound():

@@ -43,6 +43,9 @@ def test_mirrored_run_reports_metrics_and_writes_artifacts(mirrored_run):
     assert json.loads((workdir / workdirs.SHAPE_FILE).read_text()) == {
         "strategy": "MirroredStrategy", "workers": 1, "ps": 0, "replicas": 2}
     assert list((workdir / "tensorboard").glob("train/events.out.tfevents.*"))
+    # Nothing that docs/outputs.md does not list (it lists workdirs.LAYOUT: tests/test_docs.py).
+    written = {path.name + "/" * path.is_dir() for path in workdir.iterdir()}
+    assert written <= set(workdirs.LAYOUT), written - set(workdirs.LAYOUT)
 
 
 def test_test_accuracy_counts_every_test_image_exactly_once(mirrored_run):

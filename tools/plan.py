@@ -23,6 +23,11 @@ gives a local cluster such links, limiting what each task sends:
 
     python -m tools.plan --config configs/mnist_ps.toml --ps 2 --workers 2 --link 1gbit
 
+Without `--ps`, under a memory limit (`--memory-limit-gib`, or the config's
+runtime.memory_limit_gib), the plan is for the fewest ps tasks every task fits in:
+
+    python -m tools.plan --config configs/recommender_large.toml --memory-limit-gib 2
+
 With `--ps 0` the plan is MultiWorkerMirrored's instead: no ps, and each
 worker sends (and receives) its part of a ring all-reduce of the gradients
 every step (`allreduce_bytes`); with `--link` that too becomes a bound:
@@ -72,8 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.split("\n")[0])
     parser.add_argument("--config")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--ps", type=int, required=True,
-                        help="number of ps tasks; 0: MultiWorkerMirrored's all-reduce")
+    parser.add_argument("--ps", type=int,
+                        help="number of ps tasks; 0: MultiWorkerMirrored's all-reduce. Left "
+                             "out under a memory limit: the fewest that fit")
     parser.add_argument("--workers", type=int, default=2,
                         help="workers sharing the steps (for --link)")
     parser.add_argument("--link", metavar="RATE",
@@ -86,14 +92,22 @@ def main(argv: list[str] | None = None) -> int:
         args.set.append(f"runtime.memory_limit_gib={args.memory_limit_gib}")
     try:
         config = cfg.load(args.config, args.set)
-        if args.ps < 0:
+        limit = config.runtime.memory_limit_gib
+        if args.ps is None and not limit:
+            raise cfg.ConfigError("--ps N: the number of ps tasks to plan for (0: "
+                                  "MultiWorkerMirrored), or --memory-limit-gib GIB for the "
+                                  "fewest that fit")
+        if args.ps is not None and args.ps < 0:
             raise cfg.ConfigError(f"--ps {args.ps}: need 0 (MultiWorkerMirrored) or more")
         if args.workers < 1:
             raise cfg.ConfigError(f"--workers {args.workers}: need at least 1 worker")
         rate_bits = _link_rate(args.link)
         built = build(config)
+        if args.ps is None:
+            args.ps = plan_memory.fewest_ps(built, args.workers, limit, place)
+            print(f"{args.ps} ps task(s) fit runtime.memory_limit_gib = {limit:g} GiB with "
+                  f"{args.workers} worker(s) (--ps {args.ps}):")
         placement, traffic = place(built, args.ps) if args.ps else (None, None)
-        limit = config.runtime.memory_limit_gib
         peaks = plan_memory.check(built, args.ps, args.workers, limit, place,
                                   placed=(placement, traffic))
         if args.ps == 0:

@@ -252,7 +252,8 @@ def message(error: BaseException, label: str, gib: float) -> str:
 
 def _line(task: str, limit: str, what: str, gib: float) -> str:
     return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
-            f"spread the tables (python -m tools.plan --memory-limit-gib {gib:g} says how many); "
+            f"spread the tables (python -m tools.plan --config <the run's config> "
+            f"--memory-limit-gib {gib:g} says how many); "
             f"exit code {EXIT_CODE}")
 
 

@@ -158,14 +158,36 @@ def check(built, num_ps: int, num_workers: int, limit_gib: float, place: Callabl
             f"{head}: no number of ps tasks fits, since the {task} holds "
             f"{'its batches' if task == 'chief' else 'its step'}"
             f"; raise the limit to at least {math.ceil(nbytes / memory.GIB * 10) / 10:g} GiB")
-    for more in range(num_ps + 1, MAX_PS + 1):
-        ps_peaks = peaks(built, *place(built, more))
-        if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
-            raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
-                                  "the limit")
+    more = _ps_tasks_that_fit(built, num_ps + 1, limit, place)
+    if more:
+        raise cfg.ConfigError(f"{head}: {more} ps tasks would fit (--ps {more}), or raise "
+                              "the limit")
     raise cfg.ConfigError(f"{head}: not even {MAX_PS} ps tasks fit (a shard larger than the "
                           "limit: lower ps.shard_bytes or use ps.partitioner = \"max_size\"); "
                           "raise the limit")
+
+
+def _ps_tasks_that_fit(built, first: int, limit: float, place: Callable) -> int | None:
+    """The fewest ps tasks, `first` or more, whose predicted peaks are within `limit` bytes."""
+    for num_ps in range(first, MAX_PS + 1):
+        ps_peaks = peaks(built, *place(built, num_ps))
+        if max(b for t, b in ps_peaks.items() if t.startswith("ps:")) <= limit:
+            return num_ps
+    return None
+
+
+def fewest_ps(built, num_workers: int, limit_gib: float, place: Callable) -> int:
+    """The fewest ps tasks over which every task fits `limit_gib` (`tools.plan` without
+    `--ps`); `check`'s ConfigError when no number does (a chief or worker over the
+    limit whatever the ps tasks, or a shard larger than it)."""
+    limit = limit_gib * memory.GIB
+    placed = place(built, 1)
+    if any(nbytes > limit for task, nbytes in peaks(built, *placed).items()
+           if not task.startswith("ps:")):  # more ps tasks do not help: check says so
+        check(built, 1, num_workers, limit_gib, place, placed=placed)
+    fewest = _ps_tasks_that_fit(built, 1, limit, place) or MAX_PS
+    check(built, fewest, num_workers, limit_gib, place)
+    return fewest
 
 
 def report(predicted: dict[str, int], limit_gib: float) -> list[str]:

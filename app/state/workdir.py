@@ -25,6 +25,11 @@ HISTORY_FILE = "history.json"  # in BACKUP_DIR: the finished epochs' history row
 # Beside config.toml: the cluster that wrote the backup (strategy, workers, ps,
 # replicas). Not in BACKUP_DIR, which any file there makes a backup to resume.
 SHAPE_FILE = "shape.json"
+# Every entry a run may write in its workdir, a folder's name ending in "/". docs/outputs.md
+# says what each holds; tests/test_docs.py holds the pages to this list, and
+# tests/test_trainer.py a trained run's workdir.
+LAYOUT = ("config.toml", METRICS_FILE, SHAPE_FILE, f"{CHECKPOINT_DIR}/", "tensorboard/",
+          "export/", "model.keras", f"{BACKUP_DIR}/", "eval/", "arrays/", "data_service/")
 
 # Why a write fails that no retry will fix, by errno (an OSError's) or by the
 # strerror text TensorFlow's file system puts in its errors' messages.

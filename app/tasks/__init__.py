@@ -1,1 +1,2 @@
-"""The built-in tasks (`task.name = "mnist"`); app/task.py is the interface they implement."""
+"""The built-in tasks (`task.name = "mnist"`, `"recommender"`); app/task.py is the interface
+they implement."""
