@@ -9,6 +9,7 @@ into exit code 2 with the message alone.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import re
 import tomllib
@@ -45,6 +46,11 @@ def field(default: Any, *, choices: tuple[str, ...] = (), minimum: float | None 
                                ("maximum", maximum), ("above", above), ("below", below))
              if v not in (None, ())}
     return dataclasses.field(default=default, metadata=rules)
+
+
+# The built-in tasks (app/tasks/): the name `task.name` gives, the class it stands for.
+BUILTIN_TASKS = {"mnist": "app.tasks.mnist:Mnist",
+                 "recommender": "app.tasks.recommender:Recommender"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,8 +379,29 @@ def validate(config: Config) -> None:
                           "-m app.distribute.data_service dispatcher`, or to \"\" to read input "
                           "in the trainers")
     if not config.task.name:
-        raise ConfigError("task.name is empty; name a built-in task (e.g. mnist) or an "
-                          "import path like 'my_package.my_module:MyTask'")
+        raise ConfigError(f"task.name is empty; name a built-in task ({', '.join(BUILTIN_TASKS)}) "
+                          "or an import path like 'my_package.my_module:MyTask'")
+    task_target(config.task.name)  # before TensorFlow is imported, which finding it does
+
+
+def task_target(name: str) -> str:
+    """The import path `module:ClassName` that `task.name` stands for (a built-in
+    task's, or the name itself); ConfigError when it is neither. Reads nothing and
+    imports nothing: `app.task.find` imports it."""
+    target = BUILTIN_TASKS.get(name, name)
+    module, sep, attr = target.partition(":")
+    if not sep or not module or not attr.isidentifier():
+        close = difflib.get_close_matches(name, BUILTIN_TASKS, n=1)
+        raise ConfigError(
+            f"task.name = {name!r} is neither a built-in task ({', '.join(BUILTIN_TASKS)}) nor "
+            "an import path like 'my_package.my_module:MyTask'"
+            + (f"; did you mean {close[0]}?" if close else ""))
+    return target
+
+
+def choices(section: type, name: str) -> tuple[str, ...]:
+    """The values that field `name` of the config section class `section` accepts."""
+    return next(f.metadata["choices"] for f in dataclasses.fields(section) if f.name == name)
 
 
 def check_section(name: str, values: Any) -> None:

@@ -7,9 +7,9 @@ nothing about strategies: the runner of each strategy kind (`app.run.runners`)
 decides what a global batch means, who writes outputs and how evaluation
 stays exact.
 
-A task is chosen by `task.name`: a built-in name (`BUILTIN`) or an import
-path `package.module:ClassName` found on the import path (the current
-directory and `PYTHONPATH`). The rest of the `[task]` config table are its
+A task is chosen by `task.name`: a built-in name (`config.BUILTIN_TASKS`) or
+an import path `package.module:ClassName` found on the import path (the
+current directory and `PYTHONPATH`). The rest of the `[task]` config table are its
 parameters, checked against its `Params` dataclass: unknown keys and wrong
 types are refused with the field named, as for every other config section.
 
@@ -44,9 +44,6 @@ if TYPE_CHECKING:  # a task builds with either Keras: app.dialects finds which
     Loss = keras.losses.Loss | tf_keras.losses.Loss
     Metric = keras.metrics.Metric | tf_keras.metrics.Metric
     Optimizer = keras.optimizers.Optimizer | tf_keras.optimizers.Optimizer
-
-BUILTIN = {"mnist": "app.tasks.mnist:Mnist",
-           "recommender": "app.tasks.recommender:Recommender"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,12 +203,7 @@ class Task:
 
 def find(name: str) -> type[Task]:
     """The task class `name` stands for: a built-in name or `package.module:ClassName`."""
-    target = BUILTIN.get(name, name)
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr.isidentifier():
-        raise ConfigError(
-            f"task.name = {name!r} is neither a built-in task ({', '.join(BUILTIN)}) nor an "
-            "import path like 'my_package.my_module:MyTask'")
+    module_name, _, attr = cfg.task_target(name).partition(":")
     # `python -m app.train` puts the current directory on the path; the console script
     # does not, and users expect their own code next to their config to be found.
     if os.getcwd() not in sys.path and "" not in sys.path:

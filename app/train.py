@@ -8,6 +8,7 @@ config, reads the cluster, dispatches on this task's role and calls
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import json
 import logging
@@ -40,6 +41,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--strategy", help="same as --set runtime.strategy=NAME: auto, default, "
                         "mirrored, multi_worker_mirrored or parameter_server")
     return parser.parse_args(argv)
+
+
+def check_strategy(name: str | None) -> None:
+    """`--strategy NAME`, refused in the words the user typed (it sets runtime.strategy,
+    whose own check would name the field instead)."""
+    names = cfg.choices(cfg.RuntimeConfig, "strategy")
+    if name is not None and name not in names:
+        close = difflib.get_close_matches(name, names, n=1)
+        raise cfg.ConfigError(f"--strategy {name!r} is not one of {', '.join(names)}"
+                              + (f"; did you mean --strategy {close[0]}?" if close else ""))
 
 
 def setup_logging(label: str) -> None:
@@ -102,8 +113,10 @@ def pooled_allocator(runtime: cfg.RuntimeConfig, cluster: clusters.Cluster | Non
     return not (runtime.memory_limit_gib and cluster and cluster.task_type == "ps")
 
 
-def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
-    """A ps or worker task of a parameter-server cluster: serve the chief, then exit."""
+def serve(cluster: clusters.Cluster, config: cfg.Config,
+          workdir: pathlib.Path | None) -> typing.NoReturn:
+    """A ps or worker task of a parameter-server cluster: serve the chief, then exit
+    (0 once the chief has finished: it said so, or `workdir` holds the finished run)."""
     # TensorFlow starts here, after all checks.
     from app.cluster import preemption
     from app.distribute.ps import server as parameter_server
@@ -113,7 +126,8 @@ def serve(cluster: clusters.Cluster, config: cfg.Config) -> typing.NoReturn:
     # come back) or Preempted (SIGTERM), exit codes schedulers retry.
     try:
         parameter_server.serve(cluster, config.runtime,
-                               wait_s=config.cluster.connect_timeout_s, stopping=stopping)
+                               wait_s=config.cluster.connect_timeout_s, stopping=stopping,
+                               finished=lambda: workdir is not None and workdirs.finished(workdir))
     except clusters.TaskLost as e:
         print(f"error: {e}", file=sys.stderr)
         exit_now(e.exit_code)
@@ -156,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     overrides = args.set + ([f"runtime.strategy={args.strategy}"] if args.strategy else [])
     label, cluster, config, lost_code = "local", None, None, 0
     try:
+        check_strategy(args.strategy)
         config = cfg.load(args.config, overrides)
         cluster = clusters.read()
         pool = pooled_allocator(config.runtime, cluster)
@@ -180,17 +195,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")
             return 0
         if task == "serve":
-            serve(cluster, config)
+            serve(cluster, config, args.workdir)
+        workdir = args.workdir or workdirs.default_path()
+        workdirs.refuse_finished(workdir)  # at once: a chief's ps and workers wait for it
         from app import task as tasks  # TensorFlow starts here (and the task's own code).
 
         task, config = tasks.create(config)
-        workdir = workdirs.prepare(args.workdir or workdirs.default_path(), config)
+        workdirs.check(workdir, config)  # before connecting; written once all is checked
         log.info("workdir %s", workdir)
 
         from app import strategy, trainer
 
         strategy.configure_runtime(config.runtime)
-        metrics = trainer.run(config, workdir, task=task, cluster=cluster)
+        metrics = trainer.run(config, workdir, task=task, cluster=cluster, prepare=True)
     except cfg.ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return failed(cluster, config, 2, str(e))

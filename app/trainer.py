@@ -22,6 +22,7 @@ from app.cluster import memory
 from app.config import Config, ConfigError
 from app.distribute import data_service
 from app.run import callbacks, determinism, runners
+from app.state import workdir as workdirs
 from app.state.workdir import METRICS_FILE, ExportFailed, resume_shape, storage_error, write_json
 from app.task import Task
 
@@ -30,12 +31,19 @@ log = logging.getLogger(__name__)
 
 def run(config: Config, workdir: pathlib.Path, *,
         strategy: tf.distribute.Strategy | None = None, task: Task | None = None,
-        cluster=None) -> dict[str, Any]:
-    """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`."""
+        cluster=None, prepare: bool = False) -> dict[str, Any]:
+    """Train as `config` says; write checkpoints, logs, export and metrics.json to `workdir`.
+
+    `prepare`: first create `workdir` and write config.toml there (`workdir.prepare`,
+    as `python -m app.train` does), once the strategy and every setting of the run
+    have been checked, so that a mistake leaves nothing written.
+    """
     if task is None:
         task, config = tasks.create(config)
     runner = runners.create(config, cluster, strategy)
     runner.check()  # before anything is written
+    if prepare:
+        workdirs.prepare(pathlib.Path(workdir), config)
     steps_per_epoch = _steps_per_epoch(config, task)
     # Keras' dtype policy is global; it applies to every layer built during the run.
     restore_precision = dialects.set_precision(config.train.precision)

@@ -1,9 +1,10 @@
 """`make local-cluster`: a whole parameter-server cluster inside one process.
 
 The TensorFlow tutorial's way: the ps and worker servers are started
-in-process on free ports, this process becomes the chief (TF_CONFIG is set
-for it), and `app.train` trains as it would on a real cluster. The servers
-live until the process exits (TensorFlow cannot stop them).
+in-process on free ports (held from their pick until the servers listen,
+launch/ports.py), this process becomes the chief (TF_CONFIG is set for it), and
+`app.train` trains as it would on a real cluster. The servers live until the
+process exits (TensorFlow cannot stop them).
 
     python -m launch.inprocess --workers 2 --ps 2 --config configs/mnist_ps.toml
 """
@@ -17,22 +18,21 @@ import json
 import os
 import sys
 
-import portpicker
+from launch.ports import Ports
 
 # Before TensorFlow is imported, as app.train does.
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 
-def cluster_spec(num_workers: int, num_ps: int,
+def cluster_spec(num_workers: int, num_ps: int, ports: Ports,
                  host: str = "localhost") -> dict[str, list[str]]:
-    """Free local ports for a chief, `num_workers` workers and `num_ps` ps tasks;
-    with no ps, for the workers alone (a synchronous cluster)."""
-    def addresses(n: int) -> list[str]:
-        return [f"{host}:{portpicker.pick_unused_port()}" for _ in range(n)]
-
+    """Addresses on `host` for a chief, `num_workers` workers and `num_ps` ps tasks,
+    each on a port `ports` holds; with no ps, for the workers alone (a synchronous
+    cluster)."""
     if not num_ps:
-        return {"worker": addresses(num_workers)}
-    return {"chief": addresses(1), "worker": addresses(num_workers), "ps": addresses(num_ps)}
+        return {"worker": ports.addresses(host, num_workers)}
+    return {"chief": ports.addresses(host, 1), "worker": ports.addresses(host, num_workers),
+            "ps": ports.addresses(host, num_ps)}
 
 
 def start_servers(spec: dict[str, list[str]]) -> None:
@@ -70,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
     args, train_args = parser.parse_known_args(argv)
     if args.workers < 1 or args.ps < 1:
         parser.error("--workers and --ps must be at least 1")
-    spec = cluster_spec(args.workers, args.ps)
-    start_servers(spec)
-    become_chief(spec)
-    from app import train
+    # Held until the process ends: the chief's server binds its port only when it
+    # connects to the cluster.
+    with Ports() as ports:
+        spec = cluster_spec(args.workers, args.ps, ports)
+        start_servers(spec)
+        become_chief(spec)
+        from app import train
 
-    return train.main(train_args)
+        return train.main(train_args)
 
 
 if __name__ == "__main__":

@@ -1,22 +1,23 @@
 """`python -m launch.local`: every task of a cluster as a process on this machine.
 
-Each task is `python -m app.train` with its own TF_CONFIG (free local ports
-from portpicker) and the remaining arguments; each line it prints comes out
-prefixed with its task, `[ps:0]`, `[worker:1]`. The launcher returns the
-exit code of the lead task: the chief, or worker 0 when there are no ps
-(synchronous training). When the lead succeeds the others end by themselves;
-when it fails they are stopped. Under parameter servers a worker that dies
-early is left dead and the chief carries on without it; in synchronous
+Each task is `python -m app.train` with its own TF_CONFIG (local ports the
+launcher holds from their pick to its own exit, so that nothing else can take
+one before its task binds it: launch/ports.py) and the remaining arguments; each
+line it prints comes out prefixed with its task, `[ps:0]`, `[worker:1]`. The
+launcher returns the exit code of the lead task: the chief, or worker 0 when
+there are no ps (synchronous training). When the lead succeeds the others end by
+themselves; when it fails they are stopped. Under parameter servers a worker
+that dies early is left dead and the chief carries on without it; in synchronous
 training all are stopped, and `--max-restarts` relaunches them. It relaunches
-after any exit code but 2 (a configuration or storage error) and 5 (a task out
-of its memory limit, `--memory-limit-gib`, app/cluster/memory.py): 203 is a lost task,
-204 a preemption whose backup was saved (app/cluster/preemption.py). With
-`--restart task` only the failed task is relaunched (each up to
-`--max-restarts` times, 3 unless given), as Kubernetes restarts one pod
-(launch/processes.py), and the others keep running. SIGTERM to
-the launcher itself (a scheduler stopping the job) goes to every task, as if
-each had been preempted, and the launcher exits with the lead's code, without
-relaunching.
+after any exit code but 2 (a configuration or storage error), 5 (a task out of
+its memory limit, `--memory-limit-gib`, app/cluster/memory.py) and 6 (a trained
+run whose export failed), which would fail again: 203 is a lost task, 204 a
+preemption whose backup was saved (app/cluster/preemption.py). With
+`--restart task` only the failed task is relaunched (each up to `--max-restarts`
+times, 3 unless given), as Kubernetes restarts one pod (launch/processes.py),
+and the others keep running. SIGTERM to the launcher itself (a scheduler
+stopping the job) goes to every task, as if each had been preempted, and the
+launcher exits with the lead's code, without relaunching.
 
     python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml
     python -m launch.local --workers 2 --ps 0 --config configs/mnist_sync.toml
@@ -57,13 +58,12 @@ import sys
 import threading
 import time
 
-import portpicker
-
 from app import config as cfg
 from app.state.workdir import default_path
 from app.state.workdir import given as given_workdir
 from launch import network
 from launch.inprocess import cluster_spec
+from launch.ports import Ports
 from launch.processes import (
     NOT_RETRIED,
     PREEMPTED,
@@ -72,6 +72,7 @@ from launch.processes import (
     announce,
     exit_text,
     grace,
+    not_retried,
     restart_alone,
     stop_data,
 )
@@ -106,9 +107,9 @@ def start_tasks(args: argparse.Namespace, train_args: list[str]
     """Pick the ports, give them links when asked (in this process's own network
     namespace), start every task; (the tasks, their links or None)."""
     host = task_host(args)
-    spec = cluster_spec(args.workers, args.ps, host)
+    spec = cluster_spec(args.workers, args.ps, args.ports, host)
     if args.evaluator:  # listed in the cluster, as Kubeflow does; it serves nothing
-        spec["evaluator"] = [f"{host}:{portpicker.pick_unused_port()}"]
+        spec["evaluator"] = args.ports.addresses(host, 1)
     links = None
     if args.link:
         links = network.Links(args.link, network.task_ports(spec), announce)
@@ -319,12 +320,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
                         help="parameter servers (0: synchronous training, workers only)")
     parser.add_argument("--evaluator", action="store_true",
                         help="also run an evaluator task: SidecarEvaluator on the checkpoints")
-    parser.add_argument("--max-restarts", type=int,
-                        help="relaunch up to N times after a failure (any exit code but 2, "
-                             "a configuration or storage error, 5, out of memory, and 6, a "
-                             "failed export); "
-                             "training resumes from the workdir's backup. Default: 0 with "
-                             "--restart job, 3 with --restart task")
+    parser.add_argument("--max-restarts", type=int, metavar="N",
+                        help="relaunch up to N times after a failure, whatever its exit code "
+                             f"but {not_retried()}, which would fail again; training resumes "
+                             "from the workdir's backup. Default: 0 with --restart job, 3 "
+                             "with --restart task")
     parser.add_argument("--restart", choices=("job", "task"), default="job",
                         help="what a failure relaunches: every task (job, like torchrun; the "
                              "default) or the failed task alone, with its TF_CONFIG and port "
@@ -379,19 +379,20 @@ def main(argv: list[str] | None = None) -> int:
     if workdir is None:  # one workdir for all tasks: the backup is shared
         workdir = str(default_path())
         train_args += ["--workdir", workdir]
-    if args.data_workers:  # ports kept by every relaunch: a dispatcher resumes its journal
-        args.workdir = pathlib.Path(workdir)
-        args.dispatcher_port = portpicker.pick_unused_port()
-        args.data_worker_ports = [portpicker.pick_unused_port()
-                                  for _ in range(args.data_workers)]
-        train_args += ["--set", f"data.service={task_host(args)}:{args.dispatcher_port}"]
-    train_args = thread_settings(args.workers, train_args) + train_args
-    _TERMINATED.clear()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    try:
-        return (run_alone if args.restart == "task" else run_job)(args, train_args)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    args.ports = Ports()  # every port handed to a task, held until the launcher exits
+    with args.ports:
+        if args.data_workers:  # ports kept by every relaunch: a dispatcher resumes its journal
+            args.workdir = pathlib.Path(workdir)
+            args.dispatcher_port = args.ports.take()
+            args.data_worker_ports = [args.ports.take() for _ in range(args.data_workers)]
+            train_args += ["--set", f"data.service={task_host(args)}:{args.dispatcher_port}"]
+        train_args = thread_settings(args.workers, train_args) + train_args
+        _TERMINATED.clear()
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+        try:
+            return (run_alone if args.restart == "task" else run_job)(args, train_args)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def run_job(args: argparse.Namespace, train_args: list[str]) -> int:

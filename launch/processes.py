@@ -41,6 +41,12 @@ EXIT_CODES = {2: "configuration or storage error", TaskLost.exit_code: "a task w
 NOT_RETRIED = (0, 2, OUT_OF_MEMORY, ExportFailed.exit_code)
 
 
+def not_retried() -> str:
+    """The failures no relaunch follows, for the launchers' help: "2 (...), 5 (...) and 6 (...)"."""
+    codes = [f"{code} ({EXIT_CODES[code]})" for code in NOT_RETRIED if code]
+    return ", ".join(codes[:-1]) + " and " + codes[-1]
+
+
 class Process:
     """One task's process, its output copied line by line under its label."""
 

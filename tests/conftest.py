@@ -5,6 +5,7 @@ TensorFlow, so MirroredStrategy has two replicas to work with in-process.
 """
 
 import json
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -86,14 +87,18 @@ def tiny_datasets() -> tuple:
 
 
 @pytest.fixture(scope="session")
-def ps_cluster() -> clusters.Cluster:
+def ps_cluster() -> Iterator[clusters.Cluster]:
     """A chief's view of 2 workers and 2 ps servers started in this process (tests
     marked `cluster`: the servers and the connection stay until the process ends)."""
     from launch import inprocess
+    from launch.ports import Ports
 
-    spec = inprocess.cluster_spec(num_workers=2, num_ps=2)
-    inprocess.start_servers(spec)
-    return clusters.parse(json.dumps({"cluster": spec, "task": {"type": "chief", "index": 0}}))
+    # Held for the session: this process's chief binds its port when it connects.
+    with Ports() as ports:
+        spec = inprocess.cluster_spec(num_workers=2, num_ps=2, ports=ports)
+        inprocess.start_servers(spec)
+        yield clusters.parse(json.dumps({"cluster": spec,
+                                         "task": {"type": "chief", "index": 0}}))
 
 
 @pytest.fixture(scope="session")

@@ -223,10 +223,11 @@ class Code:
 
     @functools.cached_property
     def builtin(self) -> dict[str, str]:
-        """The built-in tasks, {name: module:Class} (app/task.py, read without TensorFlow)."""
-        return next(ast.literal_eval(node.value) for node in self.tree("app.task").body
-                    if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", "")
-                    == "BUILTIN")
+        """The built-in tasks, {name: module:Class} (app/config.py, read without TensorFlow)."""
+        return next(ast.literal_eval(node.value) for node in self.tree("app.config").body
+                    if isinstance(node, ast.Assign | ast.AnnAssign)
+                    and getattr(getattr(node, "target", None) or node.targets[0], "id", "")
+                    == "BUILTIN_TASKS")
 
     @functools.cached_property
     def not_retried(self) -> set[int]:

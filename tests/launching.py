@@ -8,12 +8,13 @@ every run slower, never earlier or later in its own count of steps.
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
 from collections.abc import Callable
 
-import portpicker
+from launch.ports import Ports
 
 STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
 
@@ -29,16 +30,54 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
               sig: int = signal.SIGKILL) -> tuple[str, int]:
     """Read the launcher's output to the end; send `sig` to each (trigger, victim) of
     `plan`'s victim (e.g. "worker:1", or "launch": the launcher itself) at the first
-    line for which its trigger is true. (all output, how many were sent)"""
-    lines, pids, due = [], {"launch": launcher.pid}, list(plan)
-    for line in launcher.stdout:
-        lines.append(line)
-        if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
-            pids[started[1]] = int(started[2])
-        for trigger, victim in [(t, v) for t, v in due if t(line)]:
-            os.kill(pids[victim], sig)
-            due.remove((trigger, victim))
-    return "".join(lines), len(plan) - len(due)
+    line for which its trigger is true. (all output, how many were sent)
+
+    A signal goes to the process the launcher started as that task, through a pidfd
+    opened when the launcher said so (a pid let go and reused cannot be hit), and only
+    while it runs: `kill` on a task that has exited but is not yet reaped succeeds
+    and leaves its exit code 0, as if the signal had been shrugged off. Such a signal
+    is not counted, and a line at the end of the output says so.
+    """
+    lines, due, missed = [], list(plan), []
+    tasks = {"launch": os.pidfd_open(launcher.pid)}
+    try:
+        for line in launcher.stdout:
+            lines.append(line)
+            if started := re.match(r"\[launch\] (\S+) started, pid (\d+)", line):
+                if (before := tasks.get(started[1])) is not None:  # a relaunch's
+                    os.close(before)
+                tasks[started[1]] = task_pidfd(int(started[2]), launcher.pid)
+            for trigger, victim in [(t, v) for t, v in due if t(line)]:
+                due.remove((trigger, victim))
+                task = tasks[victim]
+                if task is None or select.select([task], [], [], 0)[0]:  # exited already
+                    missed.append(f"[test] {victim} had exited before {signal.Signals(sig).name} "
+                                  f"was sent, at: {line}")
+                else:
+                    signal.pidfd_send_signal(task, sig)
+    finally:
+        for fd in tasks.values():
+            if fd is not None:
+                os.close(fd)
+    return "".join(lines + missed), len(plan) - len(due) - len(missed)
+
+
+def task_pidfd(pid: int, launcher: int) -> int | None:
+    """A pidfd of the launcher's child `pid` (readable once it has exited), or None
+    when that child has exited and been reaped already (`pid` may be another's now)."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # the parent's pid: the field after the state
+            parent = int(f.read().rpartition(")")[2].split()[1])
+    except FileNotFoundError:  # reaped since the pidfd was opened: it says it has exited
+        return fd
+    if parent != launcher:
+        os.close(fd)
+        return None
+    return fd
 
 
 def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
@@ -85,14 +124,15 @@ def steps_reported(output: str, task: str) -> list[int]:
 def run_workers(*args: str, timeout: float = 300) -> list[str]:
     """`python ARGS` as both tasks of a 2-worker TF_CONFIG cluster, at once; their
     outputs, each checked to have exited 0."""
-    workers = [f"localhost:{portpicker.pick_unused_port()}" for _ in range(2)]
-    procs = []
-    for i in range(2):
-        tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
-        env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
-        procs.append(subprocess.Popen([sys.executable, *args], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    with Ports() as ports:  # held until both have run (launch/ports.py)
+        workers = ports.addresses("localhost", 2)
+        procs = []
+        for i in range(2):
+            tf_config = {"cluster": {"worker": workers}, "task": {"type": "worker", "index": i}}
+            env = {**os.environ, "TF_CONFIG": json.dumps(tf_config)}
+            procs.append(subprocess.Popen([sys.executable, *args], env=env, text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
     for p, output in zip(procs, outputs, strict=True):
         assert p.returncode == 0, output[-5000:]
     return outputs

@@ -1,7 +1,8 @@
-"""Run inside a network namespace by tests/test_network.py (`unshare --net python
--m tests.netns CHECK`): sets up launch.network's links on this namespace's
-loopback, moves bytes through them with a socket server and client on
-127.0.0.1, and prints what tc counted as one JSON line."""
+"""Run inside a network namespace by tests/test_network.py and tests/test_ports.py
+(`unshare --net python -m tests.netns CHECK`): sets up launch.network's links on
+this namespace's loopback, moves bytes through them with a socket server and
+client on 127.0.0.1, and prints what tc counted as one JSON line; or, for
+launch/ports.py, what outgoing connections did to a held port."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import threading
 
 from launch import network
+from launch.ports import Ports
 
 PORTS = {"worker:0": 40001, "ps:0": 40002}
 
@@ -95,6 +97,37 @@ def delay() -> dict:
     return {"netem_qdiscs": shown.count("netem")}
 
 
+def held_port() -> dict:
+    """launch/ports.py against every outgoing connection: this namespace's ephemeral
+    range cut to 4 ports, a port taken with `Ports`, connections opened until the
+    range is spent (their local ports), then a TensorFlow server on the port."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range", "w") as f:
+        f.write("40000 40003")
+    listener = socket.create_server((network.HOST, 30000))  # outside that range
+    connections, local = [], []
+    with Ports() as ports:
+        port = ports.take()
+        for _ in range(4):
+            try:
+                connections.append(socket.create_connection((network.HOST, 30000), timeout=5))
+            except OSError as e:  # EADDRNOTAVAIL: no ephemeral port left
+                local.append(type(e).__name__)
+                continue
+            local.append(connections[-1].getsockname()[1])
+        import tensorflow as tf
+
+        try:
+            tf.distribute.Server(tf.train.ClusterSpec({"worker": [f"localhost:{port}"]}),
+                                 job_name="worker", task_index=0, start=True)
+            server = "serving"
+        except tf.errors.OpError as e:
+            server = e.message
+    for c in [*connections, listener]:
+        c.close()
+    return {"port": port, "connections": local, "server": server}
+
+
 if __name__ == "__main__":
     network.setup_loopback()
-    print(json.dumps({"shaping": shaping, "partition": partition, "delay": delay}[sys.argv[1]]()))
+    print(json.dumps({"shaping": shaping, "partition": partition, "delay": delay,
+                      "held_port": held_port}[sys.argv[1]]()))

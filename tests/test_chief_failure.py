@@ -6,23 +6,31 @@ import socket
 import threading
 import time
 
-import portpicker
+import pytest
 
 from app.cluster import chief_failure
 from app.cluster import tf_config as clusters
+from launch.ports import Ports
 
 REFUSAL = ("--workdir /runs/a already holds a finished run (metrics.json); choose a new "
            "--workdir\nsecond line")
 
 
-def ps_cluster(task: str = "chief") -> clusters.Cluster:
-    spec = {job: [f"localhost:{portpicker.pick_unused_port()}"]
-            for job in ("chief", "ps", "worker")}
+@pytest.fixture
+def ports():
+    """Ports held as launch.local holds its tasks' (launch/ports.py): the failed chief
+    listens on its port beside the launcher's held socket."""
+    with Ports() as held:
+        yield held
+
+
+def ps_cluster(ports: Ports, task: str = "chief") -> clusters.Cluster:
+    spec = {job: ports.addresses("localhost", 1) for job in ("chief", "ps", "worker")}
     return clusters.parse(json.dumps({"cluster": spec, "task": {"type": task, "index": 0}}))
 
 
-def test_every_task_hears_the_chiefs_exit_code_and_error_and_the_chief_then_leaves():
-    cluster = ps_cluster()
+def test_every_task_hears_the_chiefs_exit_code_and_error_and_the_chief_then_leaves(ports):
+    cluster = ps_cluster(ports)
     chief = cluster.jobs["chief"][0]
     telling = threading.Thread(target=chief_failure.tell, args=(cluster, 2, REFUSAL, 30))
     telling.start()
@@ -45,10 +53,10 @@ def test_every_task_hears_the_chiefs_exit_code_and_error_and_the_chief_then_leav
     assert chief_failure.ask(chief, "ps:0") == (False, None)  # gone
 
 
-def test_a_failure_a_restart_can_mend_or_a_cluster_without_ps_tells_no_one():
-    cluster = ps_cluster()
+def test_a_failure_a_restart_can_mend_or_a_cluster_without_ps_tells_no_one(ports):
+    cluster = ps_cluster(ports)
     chief_failure.tell(cluster, 203, "a task was lost", wait_s=30)  # returns at once
-    chief_failure.tell(ps_cluster("worker"), 2, REFUSAL, wait_s=30)
+    chief_failure.tell(ps_cluster(ports, "worker"), 2, REFUSAL, wait_s=30)
     assert not chief_failure.applies(clusters.parse(json.dumps(
         {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}})))
     assert chief_failure.ask(cluster.jobs["chief"][0], "ps:0") == (False, None)

@@ -45,7 +45,10 @@ def test_round_trip_through_written_toml(tmp_path):
     ("debug.slow_worker=-2", "debug.slow_worker = -2 must be >= -1"),
     ("debug.slow_factor=0.5", "debug.slow_factor = 0.5 must be >= 1"),
     ("data.shard_policy=hint", "data.shard_policy = 'hint' is not one of auto, data, file, off"),
-    ("task.name=", "task.name is empty; name a built-in task (e.g. mnist) or an import path"),
+    ("task.name=", "task.name is empty; name a built-in task (mnist, recommender) or an import "
+     "path"),
+    ("task.name=mnsit", "task.name = 'mnsit' is neither a built-in task (mnist, recommender) nor "
+     "an import path like 'my_package.my_module:MyTask'; did you mean mnist?"),
     ("runtime.memory_limit_gib=-1", "runtime.memory_limit_gib = -1.0 must be >= 0"),
     ("runtime.memory_limit_gib=0.5", "runtime.memory_limit_gib = 0.5 is below the 1 GiB a task "
      "needs to start TensorFlow at all (app/cluster/memory.py); give at least 1, or 0 for "

@@ -8,7 +8,6 @@ import socket
 import threading
 import time
 
-import portpicker
 import pytest
 import tensorflow as tf
 
@@ -16,6 +15,7 @@ from app import config as cfg
 from app import strategy, trainer
 from app.cluster import chief_failure
 from app.distribute import data_service
+from launch.ports import Ports
 from tests import launching
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import Numbered, Params, PythonNumbered
@@ -58,12 +58,13 @@ def test_the_config_refuses_an_address_that_is_not_host_port(address):
 
 
 def test_an_unreachable_dispatcher_is_named_within_the_timeout():
-    address = f"localhost:{portpicker.pick_unused_port()}"
-    start = time.monotonic()
-    with pytest.raises(cfg.ConfigError, match=rf"no tf.data service dispatcher answers at "
-                                              rf"data.service = {address} within "
-                                              r"cluster.connect_timeout_s = 1 s"):
-        data_service.wait_for_dispatcher(f"grpc://{address}", 1, poll_s=0.2)
+    with Ports() as ports:  # held: no server can take it meanwhile
+        address = ports.addresses("localhost", 1)[0]
+        start = time.monotonic()
+        with pytest.raises(cfg.ConfigError, match=rf"no tf.data service dispatcher answers at "
+                                                  rf"data.service = {address} within "
+                                                  r"cluster.connect_timeout_s = 1 s"):
+            data_service.wait_for_dispatcher(f"grpc://{address}", 1, poll_s=0.2)
     assert time.monotonic() - start < 60  # it did not wait for ever
 
 
@@ -116,8 +117,9 @@ def test_killed_tasks_lose_only_their_batches_in_flight_and_repeat_none(tmp_path
 
 def test_a_watching_service_task_stops_when_the_lead_is_gone_or_failed():
     stop = threading.Event()
-    nobody = f"localhost:{portpicker.pick_unused_port()}"
-    assert data_service.watch(nobody, "dispatcher", stop, gone_s=0.5, poll_s=0.1) == 0
+    with Ports() as ports:  # held: no server can take it meanwhile
+        nobody = ports.addresses("localhost", 1)[0]
+        assert data_service.watch(nobody, "dispatcher", stop, gone_s=0.5, poll_s=0.1) == 0
     with socket.create_server(("localhost", 0)) as chief:  # a chief that failed, exit 2
         def tell():
             connection, _ = chief.accept()

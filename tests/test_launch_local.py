@@ -3,6 +3,7 @@ one worker SIGKILLed mid-epoch; the chief finishes the run on the other."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -77,8 +78,11 @@ def test_thread_settings_share_the_cores_unless_chosen():
     ([PREEMPTED, 0], 2, 0),        # preempted with the backup saved: relaunched, resumes
     ([LOST, PREEMPTED, LOST], 3, LOST),  # lost tasks: relaunched until --max-restarts runs out
     ([2], 1, 2),         # a configuration or storage error would fail again
+    ([5], 1, 5),         # out of the memory limit again
+    ([6], 1, 6),         # a trained run whose export failed: its export would fail again
 ])
-def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, result):
+def test_max_restarts_relaunches_all_but_the_codes_that_would_fail_again(monkeypatch, codes,
+                                                                         calls, result):
     returned = iter(codes)
     seen = []
     monkeypatch.setattr(local, "run_cluster",
@@ -87,6 +91,17 @@ def test_max_restarts_relaunches_all_but_exit_code_2(monkeypatch, codes, calls, 
     assert len(seen) == calls
     assert local.exit_text(204) == "204 (preempted, backup saved)"
     assert local.exit_text(203) == "203 (a task was lost)" and local.exit_text(-9) == "-9"
+
+
+def test_the_help_names_every_exit_code_that_is_not_retried(capsys):
+    with pytest.raises(SystemExit):
+        local.main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert ("relaunch up to N times after a failure, whatever its exit code but 2 "
+            "(configuration or storage error), 5 (out of its memory limit, "
+            "runtime.memory_limit_gib) and 6 (trained, but the export failed), which would "
+            "fail again") in shown
+    assert processes.NOT_RETRIED == (0, 2, 5, 6)  # the help is made from it
 
 
 def test_a_partition_cuts_the_first_attempt_only(monkeypatch):
@@ -189,3 +204,41 @@ def test_a_chief_refusing_a_finished_workdir_stops_every_task_with_its_reason(tm
                 ) in output, output[-3000:]
         assert f"[launch] {task} exited with 2" in output
     assert "resume from the chief's backup" not in output
+
+
+def test_every_port_handed_to_a_task_is_held_until_the_launcher_exits(monkeypatch):
+    # A task's server binds its port seconds after the pick, and a task relaunched
+    # alone binds it again: in between nothing else may take it (launch/ports.py).
+    given = set()
+
+    class Started:  # stands for a task's process: records its cluster, starts nothing
+        def __init__(self, job, index, spec, args, hear=None):
+            given.update(a for addresses in spec.values() for a in addresses)
+            given.update(f"localhost:{args[i + 1]}" for i, flag in enumerate(args)
+                         if flag == "--port")
+
+    def run_cluster(args, train_args):
+        local.start_tasks(args, train_args)
+        assert len(given) == 7  # chief, 2 workers, ps, evaluator; dispatcher, tf.data worker
+        for address in given:
+            with pytest.raises(OSError, match="Address already in use"):
+                bind_plainly(int(address.rpartition(":")[2]))
+        return 0, False
+
+    monkeypatch.setattr(local, "Process", Started)
+    monkeypatch.setattr(local, "DataProcess", Started)
+    monkeypatch.setattr(local, "run_cluster", run_cluster)
+    assert local.main(["--workers", "2", "--ps", "1", "--evaluator", "--data-workers", "1",
+                       "--workdir", "unused"]) == 0
+    for address in given:  # released with the launcher
+        bind_plainly(int(address.rpartition(":")[2])).close()
+
+
+def bind_plainly(port: int) -> socket.socket:
+    s = socket.socket()
+    try:
+        s.bind(("", port))
+    except OSError:
+        s.close()
+        raise
+    return s

@@ -29,10 +29,12 @@ from app.distribute.ps import server as parameter_server
 from app.distribute.ps import variables as ps_variables
 from app.planning import model as plan
 from app.run import runners
-from launch import inprocess
+from launch.ports import Ports
 from tests.conftest import tiny_task
 
 pytestmark = pytest.mark.cluster
+# The serve tests' servers stay until this process exits, and so do their ports.
+_PORTS = Ports()
 
 
 def config(*overrides: str) -> cfg.Config:
@@ -213,17 +215,17 @@ class Said(logging.Handler):
                 lambda: any(line.startswith(start) for line in self.lines), timeout_s), self.lines
 
 
-def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True
-                    ) -> tuple[socket.socket, dict, threading.Event]:
+def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: bool = True,
+                    finished=lambda: False) -> tuple[socket.socket, dict, threading.Event]:
     """A listening socket standing for the chief (closed already unless `chief_up`), and
     `serve` of task `job`:0 in a thread; (the chief, what serve raised as {"error": ...},
     the task's cluster and what it logged ("said": `Said`), set when it ends)."""
     chief = socket.socket()
     chief.bind(("localhost", 0))
     chief.listen()
-    free = inprocess.portpicker.pick_unused_port
-    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"], "ps": [f"localhost:{free()}"],
-            "worker": [f"localhost:{free()}"]}
+    # Held for the test process's life, as its servers are (launch/ports.py).
+    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"],
+            "ps": _PORTS.addresses("localhost", 1), "worker": _PORTS.addresses("localhost", 1)}
     if not chief_up:  # a chief that never connected: its port is free
         chief.close()
     task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": job, "index": 0}}))
@@ -236,7 +238,7 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
     def run():
         try:
             parameter_server.serve(task, cfg.RuntimeConfig(), wait_s=wait_s, poll_s=0.1,
-                                   stopping=stopping)
+                                   stopping=stopping, finished=finished)
         except clusters.TaskLost as e:
             outcome["error"] = e
         finally:
@@ -260,6 +262,26 @@ def test_a_task_serves_until_the_chief_has_finished_not_merely_left():
         f.write("finished")
     assert done.wait(timeout=HANG_S) and "error" not in outcome
     assert not os.path.exists(outcome["marker"])  # not left for the next job on this port
+
+
+def test_a_task_the_finished_chief_could_not_tell_finds_the_run_finished_in_its_workdir(
+        tmp_path):
+    # The chief wrote metrics.json, then its mark could not reach this task (a process
+    # restarted on its port, which the chief's TensorFlow did not know).
+    finished = tmp_path / "metrics.json"
+    chief, outcome, done = serve_in_thread("worker", wait_s=60, finished=finished.exists)
+    outcome["said"].wait_for("the chief is up")
+    finished.write_text("{}")
+    chief.close()
+    assert done.wait(timeout=HANG_S) and "error" not in outcome
+    outcome["said"].wait_for("the chief has gone and the run has finished")
+
+
+def test_a_task_started_after_the_chief_finished_stops_with_the_run():
+    # Relaunched as the chief finished: no chief ever seen, no mark, and the run finished.
+    chief, outcome, done = serve_in_thread("worker", wait_s=60, chief_up=False,
+                                           finished=lambda: True)
+    assert done.wait(timeout=HANG_S) and "error" not in outcome
 
 
 def test_a_task_whose_chief_does_not_come_back_exits_with_a_retried_code():

@@ -4,6 +4,7 @@ parameter-server runners need a cluster: tests/test_parameter_server.py,
 tests/test_sync_ps.py.)"""
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import tf_keras as keras
 from app import config as cfg
 from app import data, strategy, trainer
 from app.cluster import tf_config as clusters
+from app.distribute.ps import coordinated
 from app.run import runners
 from app.task import Task
 from tests.conftest import one_device_reduction_mirrored
@@ -88,6 +90,64 @@ def test_a_multi_worker_peer_lost_mid_all_reduce_is_a_task_lost_error(tmp_path):
                                       "all-reduce; training stopped (exit code 203). Restart "
                                       "it with the lost task")
     assert str(tmp_path / "backup") in str(lost.value)
+
+
+class Coordinator:
+    """Stands for a ClusterCoordinator holding a failed step's error, which `done()`
+    raises, or none."""
+
+    def __init__(self, kept: Exception | None = None):
+        self.kept = kept
+
+    def done(self) -> bool:
+        if self.kept:
+            raise self.kept
+        return True
+
+
+def ps_chief(coordinator: Coordinator) -> types.SimpleNamespace:
+    """What AsyncPS.guard reads of its runner: a chief of 2 ps tasks and its coordinator."""
+    spec = {"chief": ["localhost:1"], "worker": ["localhost:2"],
+            "ps": ["localhost:3", "localhost:4"]}
+    return types.SimpleNamespace(coordinator=coordinator, cluster=clusters.parse(json.dumps(
+        {"cluster": spec, "task": {"type": "chief", "index": 0}})))
+
+
+# What waiting on a step that TensorFlow's coordinator cancelled raises.
+CANCELLED = tf.errors.CancelledError(
+    None, None, "The corresponding function is cancelled. Please reschedule the function.")
+
+
+def test_a_step_cancelled_behind_a_ps_that_failed_is_that_ps_lost(tmp_path):
+    # A partitioned worker's failed reads of ps:0, as TensorFlow counts them.
+    unreachable = tf.errors.UnavailableError(
+        None, None, "Socket closed. Encountered when executing an operation on "
+        "/job:ps/replica:0/task:0/device:CPU:0")
+    with pytest.raises(clusters.TaskLost) as lost:
+        with runners.AsyncPS.guard(ps_chief(Coordinator(unreachable)), tmp_path):
+            raise CANCELLED
+    assert lost.value.exit_code == 203
+    assert str(lost.value).startswith("parameter server ps:0 (localhost:3) became unreachable; "
+                                      "training stopped (exit code 203). Restart it")
+
+
+def test_steps_cancelled_with_no_other_error_are_a_lost_connection_not_a_failure(tmp_path):
+    with pytest.raises(clusters.TaskLost) as lost:
+        with runners.AsyncPS.guard(ps_chief(Coordinator()), tmp_path):
+            raise CANCELLED
+    assert lost.value.exit_code == 203
+    assert str(lost.value).startswith(
+        "TensorFlow's ClusterCoordinator cancelled the training steps (The corresponding "
+        "function is cancelled. Please reschedule the function.), as it does when a "
+        "connection between the tasks fails; training stopped (exit code 203). Restart it")
+
+
+def test_a_step_cancelled_behind_a_step_that_failed_raises_that_steps_error(tmp_path):
+    bug = tf.errors.InvalidArgumentError(None, None, "assertion failed: [the task's own check]")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the task's own check"):
+        with runners.AsyncPS.guard(ps_chief(Coordinator(bug)), tmp_path):
+            raise CANCELLED
+    assert coordinated.failure_behind(Coordinator(bug), bug) is bug  # not cancelled: itself
 
 
 def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):

@@ -73,6 +73,12 @@ def test_mirrored_on_two_logical_cpus(tmp_path):
     (["--strategy", "mirrored"], json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
                                              "task": {"type": "worker", "index": 0}}),
      "error: --strategy mirrored trains on one host, but TF_CONFIG describes a cluster"),
+    (["--strategy", "mirrorred"], None,
+     "error: --strategy 'mirrorred' is not one of auto, default, mirrored, "
+     "multi_worker_mirrored, parameter_server; did you mean --strategy mirrored?"),
+    (["--set", "task.name=mnsit"], None,
+     "error: task.name = 'mnsit' is neither a built-in task (mnist, recommender) nor an "
+     "import path like 'my_package.my_module:MyTask'; did you mean mnist?"),
     (["--set", "task.name=tests.numbered:PythonNumbered", "--set", "data.service=localhost:1"],
      None, "error: data.service: the training dataset of task tests.numbered:PythonNumbered "
            "calls Python through EagerPyFunc (tf.py_function)"),
@@ -85,6 +91,21 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(message)
     assert "Traceback" not in result.stderr
+    # A mistake in the config or the cluster is found before anything is written; the
+    # tf.data service's are found when the input is first read.
+    assert (tmp_path / "w").exists() == ("data.service" in message), message
+
+
+def test_an_unknown_task_or_strategy_is_named_before_tensorflow_starts():
+    # TensorFlow takes seconds to import (16 on a loaded machine): a typo is named first.
+    for args in (["--set", "task.name=mnsit"], ["--strategy", "mirrorred"]):
+        result = subprocess.run(
+            [sys.executable, "-c", "import sys\nfrom app import train\n"
+             f"code = train.main({args!r})\n"
+             "print(code, 'tensorflow' in sys.modules)"],
+            capture_output=True, text=True, timeout=120,
+            env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"})
+        assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
 
 
 def test_a_failed_export_ends_a_trained_run_with_one_line_and_exit_6(tmp_path):

@@ -33,7 +33,7 @@ import subprocess
 import sys
 import time
 
-import portpicker
+from launch.ports import Ports
 
 TRAINER_CORE, DATA_CORE = "0", "1"
 STAGES = ("preprocess", "train_cached", "trainer_alone", "with_service")
@@ -137,19 +137,20 @@ def equal_rounds(args: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def data_service_on(core: str):
     """A dispatcher and one tf.data worker, both pinned to `core`; its address."""
-    port = portpicker.pick_unused_port()
-    address = f"localhost:{port}"
-    quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    processes = [subprocess.Popen(pinned(core, "app.distribute.data_service", "dispatcher",
-                                         "--port", str(port)), **quiet)]
-    processes.append(subprocess.Popen(pinned(core, "app.distribute.data_service", "worker",
-                                             "--dispatcher", address), **quiet))
-    try:
-        yield address
-    finally:
-        for process in processes:
-            process.terminate()
-            process.wait(timeout=30)
+    with Ports() as ports:  # the dispatcher's, held until it has stopped (launch/ports.py)
+        port = ports.take()
+        address = f"localhost:{port}"
+        quiet = dict(stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        processes = [subprocess.Popen(pinned(core, "app.distribute.data_service", "dispatcher",
+                                             "--port", str(port)), **quiet)]
+        processes.append(subprocess.Popen(pinned(core, "app.distribute.data_service", "worker",
+                                                 "--dispatcher", address), **quiet))
+        try:
+            yield address
+        finally:
+            for process in processes:
+                process.terminate()
+                process.wait(timeout=30)
 
 
 def bench(args: argparse.Namespace) -> dict:

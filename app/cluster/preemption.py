@@ -9,7 +9,7 @@ backups themselves are written by the subclasses of `app.state.backup.Backup`
 signal side.
 
 Exit codes of `python -m app.train`: 0 done, 2 a configuration or storage
-mistake (retrying cannot help), 203 a lost task (`cluster.TaskLost`), 204
+mistake (retrying cannot help), 203 a lost task (`tf_config.TaskLost`), 204
 preempted with the backup saved. Launchers retry 203 and 204, and so does
 Kubeflow's `restartPolicy: ExitCode` (it retries 128..255 only).
 """
@@ -25,7 +25,7 @@ from app.cluster.tf_config import TaskLost
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see cluster.TaskLost
+EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see tf_config.TaskLost
 
 
 class Preempted(TaskLost):

@@ -34,6 +34,7 @@ from app.cluster import markers
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
 from app.config import Config, ConfigError
 from app.dialects import keras2_sync
+from app.distribute.ps import coordinated
 from app.distribute.ps import sync as sync_ps
 from app.distribute.ps import variables as ps_variables
 from app.run import callbacks as project_callbacks
@@ -325,11 +326,25 @@ class AsyncPS(SingleHost):
     def guard(self, workdir):
         try:
             yield
-        except tf.errors.UnavailableError as e:
-            # The coordinator stops at the first unreachable ps (its variables are
-            # gone); carrying on is impossible, waiting is pointless.
-            raise TaskLost(f"parameter server {lost_ps(e.message, self.cluster.jobs['ps'])} "
-                           f"became unreachable; {_stopped(workdir)}") from None
+        except (tf.errors.UnavailableError, tf.errors.CancelledError) as e:
+            # tf_keras' fit may raise a step cancelled behind the one that failed.
+            failure = coordinated.failure_behind(self.coordinator, e)
+            if isinstance(failure, tf.errors.UnavailableError):
+                # The coordinator stops at the first unreachable ps (its variables are
+                # gone); carrying on is impossible, waiting is pointless.
+                raise TaskLost(
+                    f"parameter server {lost_ps(failure.message, self.cluster.jobs['ps'])} "
+                    f"became unreachable; {_stopped(workdir)}") from None
+            if isinstance(failure, tf.errors.CancelledError):
+                # No other error kept: TensorFlow cancels steps when a connection between
+                # the tasks fails mid-step. A network partition is transient: a retry,
+                # not a failure.
+                said = (failure.message.strip().splitlines() or ["no message"])[0]
+                raise TaskLost(
+                    f"TensorFlow's ClusterCoordinator cancelled the training steps ({said}), "
+                    "as it does when a connection between the tasks fails; "
+                    f"{_stopped(workdir)}") from None
+            raise failure from e
 
     def build(self, task, make_optimizer):
         try:

@@ -80,22 +80,42 @@ HOW_NOT_WHAT = frozenset({
     "runtime.memory_limit_gib", "runtime.cpu_allocator", "runtime.gpu_device_memory_mib"})
 
 
-def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
-    """Create `path` and write the config there, or explain why this run cannot use it.
+def finished(path: pathlib.Path) -> bool:
+    """Whether `path` holds a finished run: its metrics.json, written once training
+    has ended (by the chief of a parameter-server cluster before it lets its ps
+    and worker tasks go)."""
+    return (path / METRICS_FILE).exists()
 
-    A workdir with metrics.json holds a finished run: training into it again
-    would overwrite its results. One with a backup holds an interrupted run,
-    which BackupAndRestore resumes, but only under the same config: a resumed
-    run under another would mix two experiments. A workdir with neither (a run
-    that stopped on an error before its first epoch ended) is simply reused.
-    """
-    if (path / METRICS_FILE).exists():
+
+def refuse_finished(path: pathlib.Path) -> None:
+    """ConfigError when `path` holds a finished run: training into it again would
+    overwrite its results. Reads one name, so that a chief says so before
+    TensorFlow starts, and its ps and worker tasks hear it (chief_failure)."""
+    if finished(path):
         raise cfg.ConfigError(
             f"--workdir {path} already holds a finished run ({METRICS_FILE}); "
             "choose a new --workdir")
+
+
+def check(path: pathlib.Path, config: cfg.Config) -> None:
+    """Explain why this run cannot use `path`, writing nothing.
+
+    A workdir with metrics.json holds a finished run (`refuse_finished`). One
+    with a backup holds an interrupted run, which BackupAndRestore resumes, but
+    only under the same config: a resumed run under another would mix two
+    experiments. A workdir with neither (a run that stopped on an error before
+    its first epoch ended) is simply reused.
+    """
+    refuse_finished(path)
     saved = path / "config.toml"
     if saved.exists() and has_backup(path):
         _check_resumed_config(path, cfg.flatten(cfg.load(str(saved))), cfg.flatten(config))
+
+
+def prepare(path: pathlib.Path, config: cfg.Config) -> pathlib.Path:
+    """Create `path` and write the config there, or explain why this run cannot use it
+    (`check`)."""
+    check(path, config)
     try:
         path.mkdir(parents=True, exist_ok=True)
         # Every task of a cluster writes it, while a relaunched peer may be reading

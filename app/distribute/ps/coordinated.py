@@ -87,14 +87,38 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
             _epochs(model, schedule, coordinator.join, callback_list, backup,
                     range(first_epoch, epochs), first_step, steps_per_epoch,
                     AHEAD_PER_WORKER * workers)
-    except BaseException:
+    except BaseException as e:
+        failure = failure_behind(coordinator, e)
         # Nothing scheduled may run on after this run, into the next one's restore.
         with contextlib.suppress(Exception):
             coordinator.join()
-        raise
+        if failure is e:
+            raise
+        raise failure from e
     callback_list.on_train_end()
     backup.delete()
     return history
+
+
+def failure_behind(coordinator, error: BaseException) -> BaseException:
+    """The error to report for `error`, raised while `coordinator` ran steps.
+
+    When a step fails for good, TensorFlow's ClusterCoordinator cancels the steps
+    behind it, and waiting on one of those raises CancelledError ("The
+    corresponding function is cancelled"), which names no cause. The failed
+    step's error stays with the coordinator until `done()` (or `join()`) raises it:
+    that is the one to report. A network partition showed it: worker 1's reads of
+    ps:0 failed while it was cut off, TensorFlow counted them as ps:0's failure,
+    and the chief died of the CancelledError (exit 1), where ps:0's
+    UnavailableError is a lost task (exit 203, retried).
+    """
+    if not isinstance(error, tf.errors.CancelledError):
+        return error
+    try:
+        coordinator.done()  # raises the failed step's error, without waiting for the rest
+    except Exception as first:  # whatever the failed step raised
+        return first
+    return error
 
 
 def _by_iterator(train, coordinator, dataset_fn) -> Callable[[int], Any]:

@@ -35,7 +35,8 @@ def create(cluster: Cluster, ps: PSConfig, connect_timeout_s: float) -> tf.distr
 
 
 def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
-          stopping: Callable[[], bool] = lambda: False, poll_s: float = 1.0) -> None:
+          stopping: Callable[[], bool] = lambda: False, poll_s: float = 1.0,
+          finished: Callable[[], bool] = lambda: False) -> None:
     """Serve this ps or worker task until the chief has finished.
 
     The chief connects to the cluster at its own address, so a task can see it
@@ -50,6 +51,14 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
     it connected, in the mark after): `ChiefFailed`, with the chief's exit code.
     After SIGTERM (`stopping()`), the task stops once the chief has gone:
     `Preempted` (exit 204), retried as the chief's own exit.
+
+    A task started (or restarted) as the chief finishes may get no mark: the
+    chief's TensorFlow knows the task's earlier process ("unknown device"), or
+    the task was down when it wrote. So a chief gone while `finished()` (the
+    run's workdir holds its metrics.json, written before the chief lets its
+    tasks go) has finished too. A chief that refuses a workdir finished by an
+    earlier job says so on its port first (`chief_failure`), within a second of
+    its start, before a task has its server up to ask.
     """
     address = cluster.jobs[cluster.task_type][cluster.task_index]
     marker = finished_marker(address)
@@ -78,6 +87,10 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
             if said.startswith(FAILED):
                 raise chief_failure.failed(chief, said.removeprefix(FAILED), cluster.label)
             log.info("the chief has finished; stopping")
+            return
+        elif finished():
+            log.info("the chief has gone and the run has finished (its workdir holds "
+                     "metrics.json); stopping")
             return
         elif stopping():
             raise preemption.serving_preempted(cluster.label, chief_seen=seen)
