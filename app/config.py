@@ -101,9 +101,9 @@ class DataConfig:
     order: str = field("auto", choices=("auto", "global", "windowed"))
     # Consecutive examples per shard of the windowed order.
     shard_examples: int = field(1024, above=0)
-    # Shards per window of the windowed order: a reader holds up to 3 windows of
-    # records (one read ahead, one in use, its batches), e.g. 3 x 8 x 1024
-    # examples of 16 KiB: 384 MiB.
+    # Shards per window of the windowed order: a reader holds up to 2 windows of
+    # records (the one in use and the one read ahead), e.g. 2 x 8 x 1024 examples
+    # of 16 KiB: 256 MiB.
     window_shards: int = field(8, above=0)
 
 

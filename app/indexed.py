@@ -256,8 +256,8 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
     """This pipeline's part of every global batch from `first_step()` on as (raw
     records, example indices, epochs), read window by window: each of the window's
     shards it needs in one sequential read (`Source.span`), its examples then taken in
-    the window's order. A window read ahead (prefetch) and the one in use, with the
-    batches taken from it: what a reader holds, whatever the size of the data set."""
+    the window's order, a batch at a time. The window in use and the one read ahead
+    (prefetch): what a reader holds, whatever the size of the data set."""
     per_epoch = order.steps_per_epoch * order.batch
     per_window = order.window_examples
     windows = -(-order.size // per_window)
@@ -312,13 +312,22 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
         raw = source.span(loaded, shards * order.shard,
                           tf.minimum(order.size - shards * order.shard, order.shard))
         taken = ((place // order.shard - first) // every) * order.shard + place % order.shard
-        return tf.gather(raw, taken), indices, epochs
+        return raw, taken, indices, epochs
+
+    def batches(raw, taken, indices, epochs):
+        """The window's examples in its order, a batch at a time: each batch gathered
+        from the window as it is read, not the window copied into its order."""
+        def batch(start):
+            end = tf.minimum(start + part, tf.size(taken, out_type=tf.int64))
+            return tf.gather(raw, taken[start:end]), indices[start:end], epochs[start:end]
+
+        return tf.data.Dataset.range(0, tf.size(taken, out_type=tf.int64), part).map(batch)
 
     segments = tf.data.Dataset.range(1).flat_map(segments)
     loaded = loaded_dataset(source) if source.load else tf.data.Dataset.from_tensors(0).repeat()
     return (tf.data.Dataset.zip(loaded, segments)
             .map(lambda loaded, segment: read(None if source.load is None else loaded, segment))
-            .prefetch(1).rebatch(part))
+            .prefetch(1).flat_map(batches).rebatch(part))
 
 
 def pipeline(source: Source, indices: tf.data.Dataset, batch_size: int,
