@@ -260,8 +260,10 @@ def indexed_records(files: Sequence[str | pathlib.Path],
     writes; for files written elsewhere, `python -m tools.index_records FILES`.
     Records are read at their offsets inside TensorFlow ops, never a file whole: a
     reading process holds a window of records (data.window_shards), however large
-    the files. A missing, older or stale index (the file changed after it was
-    indexed) raises a ConfigError that says how to make one."""
+    the files, and their offsets up to `records.MAX_HELD_OFFSETS` records (beyond,
+    it reads them from the indexes as it needs them). A missing, older or stale
+    index (the file changed after it was indexed) raises a ConfigError that says
+    how to make one."""
     stored = records.Files.indexed(files)
     features = _features(spec)
 
@@ -269,9 +271,10 @@ def indexed_records(files: Sequence[str | pathlib.Path],
         parsed = tf.io.parse_example(raw, features)
         return example(parsed) if example else parsed
 
-    return indexed.Source(stored.size, lambda loaded, indices: decode(stored.read(indices)),
+    return indexed.Source(stored.size, lambda held, indices: decode(stored.read(indices, held)),
+                          load=stored.load_offsets if stored.holds_offsets else None,
                           augment=augment,
-                          span=lambda loaded, starts, counts: stored.spans(starts, counts),
+                          span=lambda held, starts, counts: stored.spans(starts, counts, held),
                           decode=decode, stored_bytes=stored.bytes)
 
 

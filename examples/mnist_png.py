@@ -44,6 +44,9 @@ class Params:
     shift: int = field(2, minimum=0)
     rotate_degrees: float = field(10.0, minimum=0)
     keras: str = field("keras", choices=("keras", "tf_keras"))
+    # Write the files sorted by label: the worst order a window can get
+    # (docs/benchmarks.md measures what it costs).
+    sorted_by_label: bool = False
 
 
 class MnistPng(Task):
@@ -66,7 +69,7 @@ class MnistPng(Task):
 
     def train_source(self):
         files = write_png_records(pathlib.Path(self.params.records_dir), self.params.files,
-                                  self.params.train_examples)
+                                  self.params.train_examples, self.params.sorted_by_label)
         return data.indexed_records(files, SPEC, decode, augment=self._augment)
 
     def _augment(self, batch, seeds):
@@ -119,16 +122,22 @@ def _rotate_then_shift(angles, moves):
     return tf.stack([cos, -sin, dx, sin, cos, dy, zeros, zeros], axis=1)
 
 
-def write_png_records(directory: pathlib.Path, files: int, examples: int) -> list[pathlib.Path]:
+def write_png_records(directory: pathlib.Path, files: int, examples: int,
+                      sorted_by_label: bool = False) -> list[pathlib.Path]:
     """MNIST's first `examples` training images as PNGs with their labels, in `files`
-    TFRecord files; written unless there already (each file is whole or absent)."""
-    paths = [directory / f"train-{k:05d}-of-{files:05d}-{examples}.tfrecord"
+    TFRecord files, in MNIST's order or sorted by label; written unless there already
+    (each file is whole or absent)."""
+    order = "-by-label" if sorted_by_label else ""
+    paths = [directory / f"train-{k:05d}-of-{files:05d}-{examples}{order}.tfrecord"
              for k in range(files)]
     if all(records_ready(p) for p in paths):
         return paths
     directory.mkdir(parents=True, exist_ok=True)
     images = idx.read(idx.find(MNIST, "train-images-idx3-ubyte"), 3)[:examples]
     labels = idx.read(idx.find(MNIST, "train-labels-idx1-ubyte"), 1)[:examples]
+    if sorted_by_label:
+        by_label = np.argsort(labels, kind="stable")
+        images, labels = images[by_label], labels[by_label]
     bounds = np.linspace(0, examples, files + 1).astype(int)
     for path, lo, hi in zip(paths, bounds[:-1], bounds[1:], strict=True):
         if not records_ready(path):

@@ -161,3 +161,13 @@ def test_the_command_indexes_checks_and_names_what_it_cannot_index(tmp_path, cap
     assert "indexed already (20 records)" in capsys.readouterr().out
     assert index_records.main(["--decompress", str(gz)]) == 0
     assert records.read_index(tmp_path / "bad.tfrecord").records == 1
+
+
+def test_offsets_held_by_the_reader_find_the_same_records_as_the_index_chunks(files):
+    held = files.load_offsets()
+    wanted = [3200, 0, 1000, 999, 1001, 2500, 2500, 17, 1511]
+    assert [number_of(r) for r in files.read(tf.constant(wanted), held).numpy()] == wanted
+    runs = [(2400, 801), (999, 3)]
+    got = files.spans(tf.constant([s for s, _ in runs]), tf.constant([c for _, c in runs]), held)
+    assert [number_of(r) for r in got.numpy()] == [
+        i for start, count in runs for i in range(start, start + count)]

@@ -5,6 +5,7 @@ measured against what a task would do without it.
     python -m tools.bench_records read   --examples 200000 --files 24 --repeats 3
     python -m tools.bench_records bytes  --examples 50000
     python -m tools.bench_records memory --limit-gib 1.5 --sizes 0.5,2,8
+    python -m tools.bench_records order  --epochs 3 --repeats 2
 
 The data: `examples` tf.train.Examples of `floats` random floats (4,096: 16 KiB a
 record) and a target, in `files` files written by `app.data.write_records`, read by
@@ -14,14 +15,18 @@ files: windowed), or by its own `train_dataset`, the usual interleaved
 
 - `write`: seconds to write the same rows with `write_records` and with a
   `tf.train.Example` built per row in Python (what `write_records` did before).
-- `read`: examples/s of one process and of chief + 2 workers + 2 ps tasks, each by
-  index over its own pipeline, the rows interleaved over the repeats
-  (`tools.bench.measure`).
+- `read`: examples/s of one process, of chief + 2 workers + 2 ps tasks and of 2
+  MultiWorkerMirrored workers, each by index over its own pipeline, the rows
+  interleaved over the repeats (`tools.bench.measure`).
 - `bytes`: the bytes every process of a run read (`rchar`), two epochs' run minus
   one epoch's, over the data's bytes: what one epoch reads, start-up cancelled out.
 - `memory`: peak resident memory of one process by index, and of each task of a
   parameter-server cluster, under `runtime.memory_limit_gib`, for data sets of each
   size given as a multiple of the limit.
+- `order`: what the windowed order costs in accuracy against one permutation of all
+  the examples: test accuracy of examples/mnist_png.py (MNIST as PNG records, Keras'
+  convnet) after `--epochs`, its files in MNIST's order and sorted by label, one
+  run per `train.seed` of `--repeats`.
 
 Each writes its record to --out (JSON, with the command, date and machine).
 """
@@ -185,6 +190,8 @@ READ_ROWS = {
     "one_by_index": ((), ()),
     "ps_pipeline": (("--workers", "2", "--ps", "2"), ("data.by_index=false",)),
     "ps_by_index": (("--workers", "2", "--ps", "2"), ()),
+    "mwms_pipeline": (("--workers", "2", "--ps", "0"), ("data.by_index=false",)),
+    "mwms_by_index": (("--workers", "2", "--ps", "0"), ()),
 }
 
 
@@ -265,10 +272,34 @@ def bench_memory(args) -> dict:
     return out
 
 
+def bench_order(args) -> dict:
+    out: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.repeats):
+            for by_label in (False, True):
+                for order in ("windowed", "global"):
+                    sets = [f"task.records_dir={args.records_dir}",
+                            f"task.sorted_by_label={str(by_label).lower()}",
+                            f"data.order={order}", f"train.epochs={args.epochs}",
+                            f"train.seed={seed}", "train.verbose=0", *args.set]
+                    command = ["-m", "app.train", "--set", "task.name=examples.mnist_png:MnistPng",
+                               *(a for item in sets for a in ("--set", item))]
+                    name = f"{'sorted_by_label' if by_label else 'mnist_order'}/{order}"
+                    metrics = bench.measure(command, pathlib.Path(tmp) / f"{seed}-{len(out)}")
+                    row = out.setdefault(name, {"test_accuracy": [], "examples_per_sec": []})
+                    row["test_accuracy"].append(metrics["test_accuracy"])
+                    row["examples_per_sec"].append(metrics["train_examples_per_sec"])
+                    print(f"  seed {seed} {name}: test accuracy {metrics['test_accuracy']:.4f}",
+                          file=sys.stderr)
+    for row in out.values():
+        row["mean_test_accuracy"] = round(statistics.mean(row["test_accuracy"]), 4)
+    return out
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.bench_records",
                                 description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=("write", "read", "bytes", "memory"))
+    p.add_argument("what", choices=("write", "read", "bytes", "memory", "order"))
     p.add_argument("--records-dir", default="runs/bench-records")
     p.add_argument("--examples", type=int, default=200000)
     p.add_argument("--files", type=int, default=24)
@@ -282,11 +313,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--sizes", default="0.5,2,8",
                    help="`memory`: data sizes as multiples of --limit-gib")
     p.add_argument("--keep", action="store_true", help="`memory`: keep the data written")
+    p.add_argument("--epochs", type=int, default=3, help="`order`: epochs per run")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="config override for every run")
     p.add_argument("--out", type=pathlib.Path, help="where to write the JSON record")
     args = p.parse_args(argv)
-    default_rows = {"read": list(READ_ROWS), "bytes": ["one_by_index", "ps_by_index"],
+    default_rows = {"read": ["one_pipeline", "one_by_index", "ps_pipeline", "ps_by_index"],
+                    "bytes": ["one_by_index", "mwms_by_index", "ps_by_index"],
                     "memory": ["one_by_index", "ps_by_index"]}.get(args.what, [])
     args.rows = args.rows.split(",") if args.rows else default_rows
     unknown = [r for r in args.rows if r not in READ_ROWS]
@@ -300,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     pathlib.Path(args.records_dir).mkdir(parents=True, exist_ok=True)
     result = {"write": bench_write, "read": bench_read, "bytes": bench_bytes,
-              "memory": bench_memory}[args.what](args)
+              "memory": bench_memory, "order": bench_order}[args.what](args)
     report = {"command": " ".join(["python -m tools.bench_records",
                                    *(sys.argv[1:] if argv is None else argv)]),
               "date": datetime.date.today().isoformat(), "machine": bench_report.machine(),
