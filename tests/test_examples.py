@@ -92,6 +92,21 @@ def test_the_task_by_index_of_docs_tasks_md_trains_as_written(tmp_path, monkeypa
     assert metrics["input"] == "by_index" and metrics["steps"] == 512 // 16
 
 
+def test_the_task_in_files_of_docs_tasks_md_trains_as_written(tmp_path, monkeypatch):
+    """docs/tasks.md's task whose examples are in TFRecord files, read at their offsets."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    section = page.split("### Examples in files of any size", 1)[1]
+    (tmp_path / "files_doc.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task, config = tasks.create(cfg.load(None, [
+        "task.name=files_doc:FromFiles", f"task.data_dir={tmp_path / 'data'}", "task.files=3",
+        "task.per_file=1000", "train.epochs=2", "train.verbose=0", "train.learning_rate=0.01"]))
+    metrics = trainer.run(config, tmp_path / "run", task=task)
+    assert metrics["input"] == "by_index" and metrics["steps"] == 2 * (3000 // 32)
+    assert metrics["test_accuracy"] > 0.8, metrics["test_accuracy"]  # chance: 0.5
+    assert len(list((tmp_path / "data").glob("*.tfrecord.index"))) == 3
+
+
 def png(tmp_path, keras: str) -> list[str]:
     """examples/mnist_png.py on 1,536 of MNIST's images in 3 files: 48 steps of 32."""
     return [f"task.records_dir={tmp_path.parent / 'png'}", "task.files=3",

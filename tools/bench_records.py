@@ -18,8 +18,12 @@ files: windowed), or by its own `train_dataset`, the usual interleaved
 - `read`: examples/s of one process, of chief + 2 workers + 2 ps tasks and of 2
   MultiWorkerMirrored workers, each by index over its own pipeline, the rows
   interleaved over the repeats (`tools.bench.measure`).
-- `bytes`: the bytes every process of a run read (`rchar`), two epochs' run minus
-  one epoch's, over the data's bytes: what one epoch reads, start-up cancelled out.
+- `bytes`: the bytes an epoch reads from the data files and from their indexes,
+  counted from every read and pread call of every process of the run, as
+  `strace -ff -y` shows them (Debian's strace; the run is slower under it, the
+  count exact), over the data's bytes: a run of two epochs' count minus a run of
+  one's, which cancels what a run reads as it starts and what it reads ahead of
+  its last step. Also the one-epoch run's count alone.
 - `memory`: peak resident memory of one process by index, and of each task of a
   parameter-server cluster, under `runtime.memory_limit_gib`, for data sets of each
   size given as a multiple of the limit.
@@ -37,8 +41,11 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
+import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -227,21 +234,56 @@ def bench_read(args) -> dict:
     return out
 
 
+# A read of strace -ff -y: `pread64(12</data/x.tfrecord>, "..."..., 16436, 0) = 16436`.
+_READ = re.compile(r"^(?:pread64|read|preadv|readv)\(\d+<([^>]*)>.*\)\s+=\s+(\d+)$")
+
+
+def traced_reads(args: list[str], trace: pathlib.Path) -> dict[str, int]:
+    """Run `python <args>` under strace, one trace file per thread; bytes read per path."""
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    done = subprocess.run(["strace", "-ff", "--seccomp-bpf", "-qq", "-y", "-e",
+                           "trace=read,pread64,readv,preadv", "-o", str(trace),
+                           sys.executable, *args], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"run failed: {' '.join(args)}\n{done.stdout[-3000:]}")
+    read: dict[str, int] = {}
+    for path in trace.parent.glob(f"{trace.name}.*"):
+        for line in path.read_text(errors="replace").splitlines():
+            if m := _READ.match(line):
+                read[m[1]] = read.get(m[1], 0) + int(m[2])
+        path.unlink()
+    return read
+
+
 def bench_bytes(args) -> dict:
     files = write(pathlib.Path(args.records_dir), args.examples, args.files, args.floats)
     size = sum(p.stat().st_size for p in files)
-    out = {"data_bytes": size}
+    config = dict(item.split("=", 1) for item in args.set)
+    window = (int(config.get("data.shard_examples", 1024))
+              * int(config.get("data.window_shards", 8)))
+    out = {"data_bytes": size, "window_bytes": round(window * size / args.examples)}
+    data_files = {str(p.resolve()) for p in files}
     with tempfile.TemporaryDirectory() as tmp:
         for row in args.rows:
-            read = {}
+            out[row] = {}
             for epochs in (1, 2):
-                metrics = bench.measure(_command(row, args, f"train.epochs={epochs}"),
-                                        pathlib.Path(tmp) / f"{row}-{epochs}")
-                read[epochs] = metrics["bytes_read"]
-            out[row] = {"bytes_read_1_epoch_run": read[1], "bytes_read_2_epoch_run": read[2],
-                        "epoch_bytes_over_data": round((read[2] - read[1]) / size, 3)}
-            print(f"  {row}: {out[row]['epoch_bytes_over_data']} of the data an epoch",
-                  file=sys.stderr)
+                read = traced_reads([*_command(row, args, f"train.epochs={epochs}"),
+                                     "--workdir", f"{tmp}/{row}-{epochs}"],
+                                    pathlib.Path(tmp) / "trace")
+                out[row][f"{epochs}_epoch_run"] = {
+                    "data_bytes_read": sum(n for path, n in read.items() if path in data_files),
+                    "index_bytes_read": sum(
+                        n for path, n in read.items()
+                        if path.endswith(".index") and path[:-len(".index")] in data_files)}
+            runs = out[row]["1_epoch_run"], out[row]["2_epoch_run"]
+            for kind in ("data", "index"):
+                epoch = runs[1][f"{kind}_bytes_read"] - runs[0][f"{kind}_bytes_read"]
+                out[row][f"epoch_{kind}_read_over_data"] = round(epoch / size, 4)
+            out[row]["one_epoch_run_read_over_data"] = round(
+                runs[0]["data_bytes_read"] / size, 3)
+            print(f"  {row}: an epoch reads {out[row]['epoch_data_read_over_data']} of the "
+                  f"data and {out[row]['epoch_index_read_over_data']} in its indexes; a run of "
+                  f"one epoch {out[row]['one_epoch_run_read_over_data']}", file=sys.stderr)
     return out
 
 
@@ -274,6 +316,7 @@ def bench_memory(args) -> dict:
 
 def bench_order(args) -> dict:
     out: dict[str, dict] = {}
+    runs = 0
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.repeats):
             for by_label in (False, True):
@@ -285,7 +328,8 @@ def bench_order(args) -> dict:
                     command = ["-m", "app.train", "--set", "task.name=examples.mnist_png:MnistPng",
                                *(a for item in sets for a in ("--set", item))]
                     name = f"{'sorted_by_label' if by_label else 'mnist_order'}/{order}"
-                    metrics = bench.measure(command, pathlib.Path(tmp) / f"{seed}-{len(out)}")
+                    runs += 1
+                    metrics = bench.measure(command, pathlib.Path(tmp) / f"run{runs}")
                     row = out.setdefault(name, {"test_accuracy": [], "examples_per_sec": []})
                     row["test_accuracy"].append(metrics["test_accuracy"])
                     row["examples_per_sec"].append(metrics["train_examples_per_sec"])
