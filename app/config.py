@@ -87,6 +87,24 @@ class DataConfig:
     # once per epoch across failures, resumes and changes of cluster shape
     # (app/indexed.py). false: the task's train_dataset pipeline (shard_policy applies).
     by_index: bool = True
+    # The order examples read by index come in, within each epoch. "global": one
+    # permutation of all the examples, so a batch reads from anywhere in the data.
+    # "windowed": the examples in shards of `shard_examples` consecutive indices,
+    # the shards permuted, then the examples shuffled within each window of
+    # `window_shards` shards (as MosaicML Streaming shuffles): a reader holds one
+    # window of records and reads each shard in one pass, at the cost of a
+    # shuffle over a window rather than the whole set (docs/tasks.md says what
+    # it cost). "auto": windowed for examples read from files
+    # (data.indexed_records, data.indexed_arrays above 8 MiB), global for
+    # examples in memory. Both are functions of (train.seed, epoch, index)
+    # alone: a resume on any number of workers reads the same order.
+    order: str = field("auto", choices=("auto", "global", "windowed"))
+    # Consecutive examples per shard of the windowed order.
+    shard_examples: int = field(1024, above=0)
+    # Shards per window of the windowed order: a reader holds up to 2 windows of
+    # records (the one in use and the one read ahead), e.g. 2 x 8 x 1024 examples
+    # of 16 KiB: 256 MiB.
+    window_shards: int = field(8, above=0)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,7 +10,6 @@ the same for a task's own files.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import pathlib
 import tempfile
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import indexed
+from app import example_proto, indexed, records
 
 # Arrays captured by a dataset_fn become constants of its graph, serialised to
 # every worker with each function; past a few MB that is the slowest way to ship
@@ -59,24 +58,33 @@ def indexed_arrays(*arrays) -> indexed.Source:
     (`Task.train_source`): a batch is a gather of its rows.
 
     Up to `MAX_ARRAY_BYTES` in all the arrays travel inside the graph that loads
-    them; above that each is written to its file, as by `from_arrays`, and each
-    process that reads examples loads the whole file once and keeps it in memory
-    (TensorFlow has no op that reads one record of a file at an offset).
+    them; above that each is written to its file, as by `from_arrays`, and read
+    by record number (`app.records`), never whole: a reading process holds a
+    window of rows (data.window_shards), not the arrays.
     """
     structure, flat = _flat_arrays(arrays)
     if sum(map(_nbytes, flat)) <= MAX_ARRAY_BYTES:
         def load():
             return tuple(tf.constant(a) for a in flat)
-    else:
-        paths = [_stored(a) for a in flat]
 
-        def load():
-            return tuple(_whole_column(a, path) for a, path in zip(flat, paths, strict=True))
+        def read(loaded, indices):
+            return tf.nest.pack_sequence_as(structure, [tf.gather(t, indices) for t in loaded])
 
-    def read(loaded, indices):
-        return tf.nest.pack_sequence_as(structure, [tf.gather(t, indices) for t in loaded])
+        return indexed.Source(len(flat[0]), read, load)
+    columns = [_column_files(a, _stored(a)) for a in flat]
 
-    return indexed.Source(len(flat[0]), read, load)
+    def decode(raw):
+        return tf.nest.pack_sequence_as(
+            structure, [_decode_rows(a, r) for a, r in zip(flat, raw, strict=True)])
+
+    def fetch(loaded, indices):
+        return decode(tuple(files.read(indices) for files in columns))
+
+    def span(loaded, starts, counts):
+        return tuple(files.spans(starts, counts) for files in columns)
+
+    return indexed.Source(len(flat[0]), fetch, span=span, decode=decode,
+                          stored_bytes=sum(files.bytes for files in columns))
 
 
 def _flat_arrays(arrays: tuple) -> tuple[Any, list[np.ndarray]]:
@@ -98,8 +106,10 @@ def _nbytes(array: np.ndarray) -> int:
 
 
 def _stored(array: np.ndarray) -> pathlib.Path:
-    """`array`'s file in the run's storage: fixed-length little-endian records for
-    numbers (booleans as uint8), one TFRecord per example for strings."""
+    """`array`'s file in the run's storage, one TFRecord per row: a row's little-endian
+    bytes for numbers (booleans as uint8), so every record has the same length and
+    row i starts at a byte computed from i (`records.Files.fixed`); one string per
+    row for strings, with an index (`app.records`)."""
     directory = _storage / "arrays" if _storage else pathlib.Path(tempfile.gettempdir(),
                                                                   "tf-train-arrays")
     if array.dtype.kind in "OSU":
@@ -107,40 +117,62 @@ def _stored(array: np.ndarray) -> pathlib.Path:
             raise ValueError(f"from_arrays: a string array of shape {array.shape} is too "
                              "large for the graph and only a column of strings (n,) or (n, 1) "
                              "can go through a file; write it with app.data.write_records")
-        return _write_once(directory, array, ".tfrecord", _write_strings)
+        return _write_once(directory, array, ".strings.tfrecord", _write_strings)
+    return _write_once(directory, _little_endian(array), ".rows.tfrecord", _write_rows)
+
+
+def _little_endian(array: np.ndarray) -> np.ndarray:
     if array.dtype == np.bool_:
         array = array.view(np.uint8)
-    return _write_once(directory, np.ascontiguousarray(array, array.dtype.newbyteorder("<")),
-                       ".bin", lambda f, a: a.tofile(f))
+    return np.ascontiguousarray(array, array.dtype.newbyteorder("<"))
+
+
+def _column_files(array: np.ndarray, path: pathlib.Path) -> records.Files:
+    if array.dtype.kind in "OSU":
+        return records.Files.indexed([path])
+    row_bytes = _little_endian(array[:1]).nbytes
+    return records.Files.fixed([str(path)], [len(array)], row_bytes)
+
+
+def _decode_rows(array: np.ndarray, raw: tf.Tensor) -> tf.Tensor:
+    """Rows of `array` from their records (`_stored`)."""
+    if array.dtype.kind in "OSU":
+        return tf.reshape(raw, [-1, *array.shape[1:]])
+    stored = tf.uint8 if array.dtype == np.bool_ else tf.as_dtype(array.dtype)
+    values = tf.reshape(tf.io.decode_raw(raw, stored, little_endian=True),
+                        [-1, *array.shape[1:]])
+    return tf.cast(values, tf.bool) if array.dtype == np.bool_ else values
 
 
 def _file_column(array: np.ndarray, path: pathlib.Path) -> tf.data.Dataset:
     """The rows of `array`, streamed from its file (`_stored`)."""
-    if array.dtype.kind in "OSU":
-        return tf.data.TFRecordDataset(str(path)).map(lambda s: tf.reshape(s, array.shape[1:]))
-    stored = tf.uint8 if array.dtype == np.bool_ else tf.as_dtype(array.dtype)
-    row = array[0].nbytes if len(array) else 1
-    column = tf.data.FixedLengthRecordDataset(str(path), record_bytes=row).map(
-        lambda r: tf.reshape(tf.io.decode_raw(r, stored), array.shape[1:]),
-        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return column.map(lambda v: tf.cast(v, tf.bool)) if array.dtype == np.bool_ else column
+    return tf.data.TFRecordDataset(str(path)).batch(1024).map(
+        lambda raw: _decode_rows(array, raw), num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=True).unbatch()
 
 
-def _whole_column(array: np.ndarray, path: pathlib.Path) -> tf.Tensor:
-    """All of `array`, read from its file (`_stored`) inside the graph."""
-    if array.dtype.kind in "OSU":
-        records = tf.data.TFRecordDataset(str(path)).batch(max(len(array), 1))
-        return tf.reshape(records.get_single_element(), [-1, *array.shape[1:]])
-    stored = tf.uint8 if array.dtype == np.bool_ else tf.as_dtype(array.dtype)
-    values = tf.io.decode_raw(tf.io.read_file(str(path)), stored, little_endian=True)
-    values = tf.reshape(values, [-1, *array.shape[1:]])
-    return tf.cast(values, tf.bool) if array.dtype == np.bool_ else values
+def _write_rows(path: str, array: np.ndarray) -> None:
+    rows = array.reshape(len(array), -1).view(np.uint8) if len(array) else array
+    with tf.io.TFRecordWriter(path) as writer:
+        for row in rows:
+            writer.write(row.tobytes())
 
 
 def _write_strings(path: str, array: np.ndarray) -> None:
+    values = [v if isinstance(v, bytes) else str(v).encode() for v in np.ravel(array)]
+    _write_framed(path, values)
+
+
+def _write_framed(path: str, values: Sequence[bytes]) -> None:
+    """`values` as the records of a TFRecord file at `path`, and its index."""
+    offsets = np.zeros(len(values), np.int64)
+    position = 0
     with tf.io.TFRecordWriter(path) as writer:
-        for value in np.ravel(array):
-            writer.write(value if isinstance(value, bytes) else str(value).encode())
+        for i, value in enumerate(values):
+            writer.write(value)
+            offsets[i] = position
+            position += records.framed(len(value))
+    records.write_index(path, offsets, position)
 
 
 def _write_once(directory: pathlib.Path, array: np.ndarray, suffix: str,
@@ -149,7 +181,9 @@ def _write_once(directory: pathlib.Path, array: np.ndarray, suffix: str,
 
     Each process that needs it and finds it missing writes a temporary file and
     renames it into place: a rename is atomic, and two tasks racing write the
-    same bytes, so no reader ever sees a partial file and no lock is needed.
+    same bytes, so no reader ever sees a partial file and no lock is needed. An
+    index `write` made beside the file goes into place first: whoever sees the
+    file finds its index.
     """
     digest = hashlib.sha256(f"{array.dtype.str}{array.shape}".encode())
     digest.update(array.tobytes() if array.dtype.kind not in "OSU"
@@ -159,78 +193,89 @@ def _write_once(directory: pathlib.Path, array: np.ndarray, suffix: str,
         directory.mkdir(parents=True, exist_ok=True)
         partial = directory / f".{path.name}.{os.getpid()}.partial"
         write(str(partial), array)
+        if os.path.exists(records.index_path(partial)):
+            os.replace(records.index_path(partial), records.index_path(path))
         os.replace(partial, path)
     return path
 
 
-# Beside each file `write_records` writes: its number of records, which reading the
-# files by index (`indexed_records`) needs before it reads them.
-INDEX_SUFFIX = ".index.json"
-
-
 def write_records(path: str | pathlib.Path, columns: dict[str, np.ndarray]) -> int:
     """Write the examples of `columns` (name -> array, first axis = examples) as one
-    TFRecord file of tf.train.Examples holding float or int64 features, and its index
-    beside it (`<path>.index.json`). Returns the count."""
-    count = len(next(iter(columns.values())))
-    with tf.io.TFRecordWriter(str(path)) as writer:
-        for i in range(count):
-            features = {name: _feature(np.ravel(values[i])) for name, values in columns.items()}
-            example = tf.train.Example(features=tf.train.Features(feature=features))
-            writer.write(example.SerializeToString())
-    tf.io.gfile.GFile(f"{path}{INDEX_SUFFIX}", "w").write(json.dumps({"records": count}))
+    TFRecord file of tf.train.Examples, and its index beside it (`<path>.index`, every
+    record's offset: `app.records`). Floats become float features, integers and
+    booleans int64 features, bytes and strings bytes features (one value per example,
+    or an array of them). Returns the count. The file is whole or absent."""
+    path = str(path)
+    count = len(next(iter(columns.values()))) if columns else 0
+    if any(len(v) != count for v in columns.values()):
+        raise ValueError(f"write_records: the columns hold different numbers of examples "
+                         f"({ {k: len(v) for k, v in columns.items()} }); give each the same "
+                         "first axis")
+    partial = f"{path}.{os.getpid()}.partial"
+    offsets = np.zeros(count, np.int64)
+    position = 0
+    with tf.io.TFRecordWriter(partial) as writer:
+        for start in range(0, count, _WRITE_ROWS):
+            chunk = {k: v[start:start + _WRITE_ROWS] for k, v in columns.items()}
+            for i, example in enumerate(example_proto.serialize(chunk), start):
+                writer.write(example)
+                offsets[i] = position
+                position += records.framed(len(example))
+    os.replace(partial, path)
+    records.write_index(path, offsets, position)
     return count
 
 
-def _feature(values: np.ndarray) -> tf.train.Feature:
-    if np.issubdtype(values.dtype, np.integer):
-        return tf.train.Feature(int64_list=tf.train.Int64List(value=values))
-    return tf.train.Feature(float_list=tf.train.FloatList(value=values))
+# Rows serialised at a time by `write_records`: its memory, beside the columns'.
+_WRITE_ROWS = 4096
 
 
 def read_records(files: tf.data.Dataset, spec: dict[str, tuple[Sequence[int], tf.DType]],
                  *, parallel_files: int = 4) -> tf.data.Dataset:
     """Parsed examples of the TFRecord files named by `files`, as dicts of the
     features in `spec` (name -> (shape, dtype)) written by `write_records`."""
-    features = {name: tf.io.FixedLenFeature(shape, dtype) for name, (shape, dtype) in spec.items()}
-    records = files.interleave(tf.data.TFRecordDataset, cycle_length=parallel_files,
-                               num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return records.map(lambda r: tf.io.parse_single_example(r, features),
-                       num_parallel_calls=tf.data.AUTOTUNE)
+    features = _features(spec)
+    records_ = files.interleave(tf.data.TFRecordDataset, cycle_length=parallel_files,
+                                num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return records_.map(lambda r: tf.io.parse_single_example(r, features),
+                        num_parallel_calls=tf.data.AUTOTUNE)
+
+
+def _features(spec: dict[str, tuple[Sequence[int], tf.DType]]) -> dict[str, Any]:
+    return {name: tf.io.FixedLenFeature(shape, dtype) for name, (shape, dtype) in spec.items()}
 
 
 def indexed_records(files: Sequence[str | pathlib.Path],
                     spec: dict[str, tuple[Sequence[int], tf.DType]],
-                    example: Callable[[dict[str, tf.Tensor]], Any] | None = None
+                    example: Callable[[dict[str, tf.Tensor]], Any] | None = None, *,
+                    augment: Callable[[Any, tf.Tensor], Any] | None = None
                     ) -> indexed.Source:
-    """The examples of TFRecord files written by `write_records`, by index
+    """The examples of uncompressed TFRecord files of tf.train.Examples, by index
     (`Task.train_source`): example i is record i of the files in the order given.
     A batch is parsed to a dict of the features in `spec` (as `read_records`), then
-    made what fit() takes by `example(features)`, e.g. a (features, label) pair.
+    made what fit() takes by `example(features)`, e.g. a (features, label) pair;
+    `augment(batch, seeds)` then adds per-example randomness (`indexed.Source`).
 
-    Each process that reads examples loads the files' records whole, once, and keeps
-    them in memory (TensorFlow has no op that reads one record at an offset)."""
-    names = [str(f) for f in files]
-    if not names:
-        raise ValueError("indexed_records: no files given")
-    counts = []
-    for name in names:
-        index = f"{name}{INDEX_SUFFIX}"
-        if not tf.io.gfile.exists(index):
-            raise ValueError(f"indexed_records: {name} has no index beside it ({index}); "
-                             "write it with app.data.write_records, which writes both")
-        counts.append(json.loads(tf.io.gfile.GFile(index).read())["records"])
-    features = {name: tf.io.FixedLenFeature(shape, dtype) for name, (shape, dtype) in spec.items()}
-    size = sum(counts)
+    Each file needs its index beside it (`<file>.index`), which `write_records`
+    writes; for files written elsewhere, `python -m tools.index_records FILES`.
+    Records are read at their offsets inside TensorFlow ops, never a file whole: a
+    reading process holds a window of records (data.window_shards), however large
+    the files, and their offsets up to `records.MAX_HELD_OFFSETS` records (beyond,
+    it reads them from the indexes as it needs them). A missing, older or stale
+    index (the file changed after it was indexed) raises a ConfigError that says
+    how to make one."""
+    stored = records.Files.indexed(files)
+    features = _features(spec)
 
-    def load():
-        return tf.data.TFRecordDataset(names).batch(size).get_single_element()
-
-    def read(records, indices):
-        parsed = tf.io.parse_example(tf.gather(records, indices), features)
+    def decode(raw):
+        parsed = tf.io.parse_example(raw, features)
         return example(parsed) if example else parsed
 
-    return indexed.Source(size, read, load)
+    return indexed.Source(stored.size, lambda held, indices: decode(stored.read(indices, held)),
+                          load=stored.load_offsets if stored.holds_offsets else None,
+                          augment=augment,
+                          span=lambda held, starts, counts: stored.spans(starts, counts, held),
+                          decode=decode, stored_bytes=stored.bytes)
 
 
 def exact(dataset: tf.data.Dataset) -> tf.data.Dataset:

@@ -89,11 +89,13 @@ def exit_now(code: int) -> typing.NoReturn:
     os._exit(code)
 
 
-def limit_memory(runtime: cfg.RuntimeConfig) -> None:
+def limit_memory(runtime: cfg.RuntimeConfig, label: str) -> None:
     """`runtime.memory_limit_gib` on this process, before TensorFlow's allocator takes
-    any memory: the limit holds from there."""
+    any memory: the limit holds from there, and an allocation it refuses ends the task
+    with the named error wherever it fails (`memory.catch_failed_allocations`)."""
     if runtime.memory_limit_gib:
         memory.follow_threads(runtime.memory_limit_gib)
+        memory.catch_failed_allocations(label, runtime.memory_limit_gib)
         log.info("memory limit %g GiB (RLIMIT_DATA, beside the address space of the "
                  "threads' stacks)", runtime.memory_limit_gib)
 
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             "true" if config.runtime.cpu_allocator == "bfc" and pool else "false")
         label = cluster.label if cluster else "local"
         setup_logging(label)
-        limit_memory(config.runtime)
+        limit_memory(config.runtime, label)
         task = role(cluster)
         if task == "evaluate":
             if args.workdir is None:

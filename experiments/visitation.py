@@ -19,6 +19,10 @@ examples of the next epoch were read early.
   often the step the dead worker held runs again after its update (or part of
   it) had reached the ps: an update applied twice. With `--set
   train.steps_per_execution=K` a closure holds K steps, and runs again whole.
+- The records table (`--records-table`): the by-index cases, the examples read
+  from TFRecord files at their offsets (`RecordsNumbered`, `data.indexed_records`),
+  as many and as large as `--examples`, `--files` and `--pad-floats` say, every
+  task under `--memory-limit-gib`.
 
     python experiments/visitation.py --out docs/results/visitation.json         # ~15 min
     python experiments/visitation.py --window 10 --out docs/results/visitation_window.json
@@ -26,6 +30,9 @@ examples of the next epoch were read early.
         --out docs/results/visitation_window_spe8.json
     python experiments/visitation.py --by-index-table --out docs/results/visitation_by_index.json
     python experiments/visitation.py --table docs/results/visitation_by_index.json  # a table
+    python experiments/visitation.py --records-table --examples 195000 --files 24 \
+        --pad-floats 4096 --memory-limit-gib 1.5 --kill-at-step 4000 \
+        --out docs/results/visitation_records.json
 
 (the window's runs take ~8 min, the by-index table's ~20 min).
 """
@@ -51,6 +58,9 @@ from tests import launching  # noqa: E402
 
 EXAMPLES, BATCH, KILL_AT, BACKUP_EVERY = 16384, 16, 200, 50
 PIPELINE, BY_INDEX = "tests.numbered:Numbered", "tests.numbered:IndexedNumbered"
+RECORDS = "tests.numbered:RecordsNumbered"
+# app.train flags every run of this invocation adds (the records table's data and limit).
+EXTRA: list[str] = []
 # A step the coordinator runs again: the closure a failed worker held, put back in its
 # queue (TF 2.21 cluster_coordinator.py logs these two lines when it does so).
 PUT_BACK = re.compile(r"\[chief:0\] ERROR (Worker|Remote function on worker) /job:worker\S* "
@@ -115,9 +125,9 @@ OVERRIDES: list[str] = []
 
 
 def task_flags(task: str, workdir: pathlib.Path) -> list[str]:
-    """app.train's flags: the numbered task's epoch, the backups, the step log, and
-    OVERRIDES."""
-    return ["--workdir", str(workdir), "--set", f"task.name={task}",
+    """app.train's flags: the numbered task's epoch, the backups, the step log, the
+    records table's and OVERRIDES."""
+    return [*EXTRA, "--workdir", str(workdir), "--set", f"task.name={task}",
             "--set", f"task.examples={EXAMPLES}", "--set", "train.epochs=1",
             "--set", f"train.global_batch_size={BATCH}", "--set", "train.verbose=0",
             "--set", f"checkpoint.every_steps={BACKUP_EVERY}",
@@ -145,7 +155,7 @@ def run(case: Case, task: str, workdir: pathlib.Path, service: bool = False) -> 
                 launcher, lead(flags), KILL_AT, case.victim, case.sig)
         else:
             output = launcher.stdout.read()
-        launcher.wait(timeout=300)
+        launcher.wait(timeout=300 + EXAMPLES // 20)
         row["exit_codes"].append(launcher.returncode)
         row["seconds"].append(round(time.monotonic() - start))
         (workdir.parent / f"{workdir.name}.{attempt}.log").write_text(output)
@@ -188,6 +198,18 @@ def by_index_rows(tmp: pathlib.Path) -> list[dict]:
                    **run(case, task, tmp / f"run{len(rows)}")}
             print(json.dumps(row), flush=True)
             rows.append(row)
+    return rows
+
+
+def records_rows(tmp: pathlib.Path) -> list[dict]:
+    """Each by-index case, its examples read from TFRecord files."""
+    rows = []
+    for case in BY_INDEX_CASES:
+        row = {"cluster": case.cluster, "what": case.what, "flags": " ".join(case.flags),
+               "requeue_flags": " ".join(case.requeue) if case.requeue else None,
+               **run(case, RECORDS, tmp / f"run{len(rows)}")}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
@@ -254,18 +276,31 @@ def machine() -> str:
                  if line.startswith("Model name")), "unknown")
 
 
-TABLES = {"service": service_table, "by_index": by_index_table, "window": window_table}
+TABLES = {"service": service_table, "by_index": by_index_table, "window": window_table,
+          "records": by_index_table}
 
 
 def main(argv: list[str] | None = None) -> int:
+    global EXAMPLES, KILL_AT
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--by-index-table", action="store_true",
                         help="the pipeline and by-index runs, without the tf.data service")
     parser.add_argument("--window", type=int, metavar="N",
                         help="the by-index worker:1 SIGKILL N times: how often a step is "
                              "applied twice")
+    parser.add_argument("--records-table", action="store_true",
+                        help="the by-index runs, the examples read from TFRecord files")
+    parser.add_argument("--examples", type=int, default=EXAMPLES,
+                        help="examples in the epoch (default %(default)s)")
+    parser.add_argument("--files", type=int, default=8, help="--records-table: files")
+    parser.add_argument("--pad-floats", type=int, default=0,
+                        help="--records-table: floats of padding per record")
+    parser.add_argument("--kill-at-step", type=int, default=KILL_AT,
+                        help="the step after which the fault comes (default %(default)s)")
+    parser.add_argument("--memory-limit-gib", type=float, default=0,
+                        help="runtime.memory_limit_gib of every task (0: none)")
     parser.add_argument("--out", help="where the rows go (JSON); default "
-                        "runs/visitation[_by_index|_window].json")
+                        "runs/visitation[_by_index|_window|_records].json")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every run, e.g. "
                              "train.steps_per_execution=8")
@@ -277,12 +312,20 @@ def main(argv: list[str] | None = None) -> int:
         written = json.loads(pathlib.Path(args.table).read_text())
         print(TABLES[written.get("table", "service")](written["rows"]))
         return 0
-    which = "by_index" if args.by_index_table else "window" if args.window else "service"
+    which = ("by_index" if args.by_index_table else "records" if args.records_table
+             else "window" if args.window else "service")
     OVERRIDES[:] = args.set
+    EXAMPLES, KILL_AT = args.examples, args.kill_at_step
+    EXTRA.extend(["--set", f"runtime.memory_limit_gib={args.memory_limit_gib}"])
     with tempfile.TemporaryDirectory() as tmp:
         runs = pathlib.Path(args.runs or tmp)
         runs.mkdir(parents=True, exist_ok=True)
+        if which == "records":
+            EXTRA.extend(["--set", f"task.records_dir={runs / 'records'}",
+                          "--set", f"task.files={args.files}",
+                          "--set", f"task.pad_floats={args.pad_floats}"])
         rows = (by_index_rows(runs) if which == "by_index" else
+                records_rows(runs) if which == "records" else
                 window_rows(runs, args.window) if which == "window" else service_rows(runs))
     suffix = "" if which == "service" else f"_{which}"
     out = pathlib.Path(args.out or f"runs/visitation{suffix}.json")
@@ -291,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python experiments/visitation.py " + " ".join(
             argv if argv is not None else sys.argv[1:]),
         "date": datetime.date.today().isoformat(), "machine": machine(), "table": which,
-        "examples": EXAMPLES, "batch": BATCH, "kill_at_step": KILL_AT,
+        "examples": EXAMPLES, "batch": BATCH, "kill_at_step": KILL_AT, "extra_flags": EXTRA,
         "backup_every_steps": BACKUP_EVERY, "overrides": args.set, "rows": rows},
         indent=1) + "\n")
     print(TABLES[which](rows))

@@ -12,12 +12,13 @@ replicas), so a step counts only where its update was applied.
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 
 import numpy as np
 import tensorflow as tf
 import tf_keras as keras
 
-from app import indexed
+from app import data, indexed
 from app.config import field
 from app.task import Task
 
@@ -97,6 +98,46 @@ class IndexedNumbered(Numbered):
 
 def _numbered(loaded, indices):
     return indices, tf.cast(indices % 7, tf.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordsParams(Params):
+    # Where the TFRecord files are (written there by the first process that needs
+    # them): a directory every task of the run can read.
+    records_dir: str = ""
+    files: int = field(3, above=0)
+    # Floats of padding per record, to make the data set as large as wanted.
+    pad_floats: int = field(0, minimum=0)
+
+
+class RecordsNumbered(Numbered):
+    """Numbered, its examples in TFRecord files (`data.write_records`) read by index
+    (`data.indexed_records`): at offsets, a window at a time."""
+
+    Params = RecordsParams
+
+    def train_source(self):
+        paths = write_numbered(pathlib.Path(self.params.records_dir), self.params.examples,
+                               self.params.files, self.params.pad_floats)
+        spec = {"id": ([], tf.int64), "pad": ([self.params.pad_floats], tf.float32)}
+        return data.indexed_records(paths, spec, lambda f: _numbered(None, f["id"]))
+
+
+def write_numbered(directory: pathlib.Path, examples: int, files: int,
+                   pad_floats: int = 0) -> list[pathlib.Path]:
+    """The numbers 0 .. examples - 1 in `files` TFRecord files, in order, each with
+    `pad_floats` floats; written unless there already."""
+    directory.mkdir(parents=True, exist_ok=True)
+    bounds = np.linspace(0, examples, files + 1).astype(int)
+    paths = []
+    for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        path = directory / f"numbered-{k:05d}-of-{files:05d}.tfrecord"
+        if not path.with_name(path.name + ".index").exists():
+            ids = np.arange(lo, hi, dtype=np.int64)
+            pad = np.broadcast_to(np.float32(0.5), (hi - lo, pad_floats))
+            data.write_records(path, {"id": ids, "pad": pad})
+        paths.append(path)
+    return paths
 
 
 class PythonNumbered(Numbered):

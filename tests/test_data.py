@@ -28,7 +28,11 @@ def test_large_arrays_go_through_one_file_each_and_read_back_exactly(tmp_path):
     finally:
         data.use_storage(None)
     files = sorted(p.name for p in (tmp_path / "arrays").iterdir())
-    assert len(files) == 4 and not any(name.startswith(".") for name in files)  # written once
+    assert not any(name.startswith(".") for name in files)  # written once, each whole
+    # One file a column, one record a row; the strings' with its index.
+    assert sorted(name.split(".", 1)[1] for name in files) == [
+        "rows.tfrecord", "rows.tfrecord", "rows.tfrecord", "strings.tfrecord",
+        "strings.tfrecord.index"]
     assert dataset.element_spec[0]["x"].shape == (700,) and dataset.element_spec[1].shape == (
         28, 28, 1)
     for got in (dataset, again):
@@ -47,7 +51,8 @@ def test_a_large_column_of_strings_is_counted_by_its_text_and_goes_through_a_fil
         dataset = data.from_arrays(words)
     finally:
         data.use_storage(None)
-    assert [p.suffix for p in (tmp_path / "arrays").iterdir()] == [".tfrecord"]
+    assert sorted(p.name.split(".", 1)[1] for p in (tmp_path / "arrays").iterdir()) == [
+        "strings.tfrecord", "strings.tfrecord.index"]
     assert next(iter(dataset.skip(2999))).numpy().decode() == words[2999]
 
 

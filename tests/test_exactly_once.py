@@ -1,7 +1,8 @@
 """Every example of an epoch trained on once across failures, resumes and a change of
 cluster shape, when a task gives its examples by index (app/indexed.py), end to end
 under `launch.local`: the numbered task (tests/numbered.py) counts each example's
-visits where its update was applied."""
+visits where its update was applied. Its examples are read from TFRecord files at
+their offsets (`data.indexed_records`), every task under a memory limit."""
 
 import json
 import signal
@@ -17,7 +18,12 @@ CLOSURE = 4  # steps per closure under parameter servers
 
 
 def numbered(workdir, *args: str) -> tuple[str, ...]:
-    return (*args, "--workdir", str(workdir), "--set", "task.name=tests.numbered:IndexedNumbered",
+    # Shards of 64 examples in windows of 3: 22 windows an epoch, some read while a
+    # task was down; the files under the workdir's parent, shared by its runs.
+    return (*args, "--workdir", str(workdir), "--set", "task.name=tests.numbered:RecordsNumbered",
+            "--set", f"task.records_dir={workdir.parent / 'records'}", "--set", "task.files=5",
+            "--set", "data.shard_examples=64", "--set", "data.window_shards=3",
+            "--set", "runtime.memory_limit_gib=1.5",
             "--set", f"task.examples={EXAMPLES}", "--set", "train.epochs=1",
             "--set", f"train.global_batch_size={BATCH}", "--set", "train.verbose=0",
             "--set", "eval.test_every_epoch=false", "--set", "debug.log_every_steps=10",

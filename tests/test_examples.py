@@ -1,5 +1,6 @@
-"""The example task (examples/regression.py, a user's own code) under every strategy:
-its headline metric lands in metrics.json and its export serves raw features."""
+"""The example tasks (examples/regression.py, examples/mnist_png.py: a user's own code)
+under every strategy: the headline metric lands in metrics.json and the export serves
+raw features."""
 
 import json
 import os
@@ -89,3 +90,54 @@ def test_the_task_by_index_of_docs_tasks_md_trains_as_written(tmp_path, monkeypa
         "train.verbose=0", "train.global_batch_size=16"]))
     metrics = trainer.run(config, tmp_path / "run", task=task)
     assert metrics["input"] == "by_index" and metrics["steps"] == 512 // 16
+
+
+def test_the_task_in_files_of_docs_tasks_md_trains_as_written(tmp_path, monkeypatch):
+    """docs/tasks.md's task whose examples are in TFRecord files, read at their offsets."""
+    page = (pathlib.Path(__file__).parents[1] / "docs" / "tasks.md").read_text()
+    section = page.split("### Examples in files of any size", 1)[1]
+    (tmp_path / "files_doc.py").write_text(section.split("```python\n", 1)[1].split("```", 1)[0])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    task, config = tasks.create(cfg.load(None, [
+        "task.name=files_doc:FromFiles", f"task.data_dir={tmp_path / 'data'}", "task.files=3",
+        "task.per_file=1000", "train.epochs=2", "train.verbose=0", "train.learning_rate=0.01"]))
+    metrics = trainer.run(config, tmp_path / "run", task=task)
+    assert metrics["input"] == "by_index" and metrics["steps"] == 2 * (3000 // 32)
+    assert metrics["test_accuracy"] > 0.8, metrics["test_accuracy"]  # chance: 0.5
+    assert len(list((tmp_path / "data").glob("*.tfrecord.index"))) == 3
+
+
+def png(tmp_path, keras: str) -> list[str]:
+    """examples/mnist_png.py on 1,536 of MNIST's images in 3 files: 48 steps of 32."""
+    return [f"task.records_dir={tmp_path.parent / 'png'}", "task.files=3",
+            "task.train_examples=1536", "task.test_examples=512", f"task.keras={keras}",
+            "train.epochs=1", "train.verbose=0", "data.shard_examples=256",
+            "data.window_shards=2", "task.name=examples.mnist_png:MnistPng"]
+
+
+def check_png(metrics: dict, keras: str) -> None:
+    assert metrics["input"] == "by_index" and metrics["keras"] == keras, metrics
+    assert metrics["steps"] == 48 and metrics["num_test_examples"] == 512
+    assert metrics["test_accuracy"] > 0.5, metrics["test_accuracy"]  # it learnt (chance: 0.1)
+
+
+@pytest.mark.parametrize("name, keras", [("default", "keras"), ("mirrored", "tf_keras")])
+def test_encoded_images_in_files_train_by_index_on_one_host(tmp_path, name, keras):
+    task, config = tasks.create(cfg.load(None, png(tmp_path, keras)))
+    chosen = one_device_reduction_mirrored() if name == "mirrored" else strategy.create(name)
+    check_png(trainer.run(config, tmp_path / "run", strategy=chosen, task=task), keras)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ps, keras", [(1, "keras"), (0, "tf_keras")])
+def test_encoded_images_in_files_train_by_index_on_a_cluster(tmp_path, ps, keras):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    args = [a for s in png(tmp_path, keras) for a in ("--set", s)]
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.local", "--workers", "2", "--ps", str(ps), *args,
+         "--workdir", str(tmp_path / "run")], env=env, capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:]
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    check_png(metrics, keras)
+    assert metrics["num_workers"] == 2 and metrics["num_ps"] == ps

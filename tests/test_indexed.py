@@ -2,21 +2,22 @@
 global batches however the input is split, a pipeline that starts where the backup
 left off, and the sources app/data.py makes."""
 
-import json
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from app import config as cfg
-from app import data, indexed, strategy, trainer
+from app import data, indexed, records, strategy, trainer
+from app.config import ConfigError
 from app.task import Task
 from tests.conftest import one_device_reduction_mirrored
 from tests.numbered import IndexedNumbered, Params
 
 
 def batches(order: indexed.Order, steps) -> list[np.ndarray]:
-    return [order.indices(step)[0].numpy() for step in steps]
+    indices = tf.function(order.indices)  # traced once: the steps are tensors
+    return [indices(tf.constant(step, tf.int64))[0].numpy() for step in steps]
 
 
 def test_each_epoch_is_a_permutation_of_seed_and_epoch_alone():
@@ -63,6 +64,66 @@ def test_a_pipeline_starts_at_the_step_set_before_it_is_read_not_when_it_is_buil
     np.testing.assert_array_equal(next(iter(elements)).numpy(), order.indices(5)[0].numpy())
 
 
+def windowed(size=1000, batch=40, steps_per_epoch=25, seed=3, shard=64, window=3):
+    return indexed.Order(size, batch, steps_per_epoch, seed, shard=shard, window=window)
+
+
+@pytest.mark.parametrize("size, shard, window", [(1000, 64, 3), (1024, 64, 4), (1000, 2000, 2),
+                                                 (1000, 1, 1000), (1000, 1000, 1)])
+def test_a_windowed_epoch_is_a_permutation_of_seed_and_epoch_alone(size, shard, window):
+    steps = size // 8
+    order = windowed(size=size, batch=8, steps_per_epoch=steps, shard=shard, window=window)
+    epochs = [np.concatenate(batches(order, range(e * steps, (e + 1) * steps)))
+              for e in range(2)]
+    for epoch in epochs:
+        np.testing.assert_array_equal(np.sort(epoch), np.arange(size))
+    assert not np.array_equal(*epochs)
+    again = windowed(size=size, batch=8, steps_per_epoch=steps, shard=shard, window=window)
+    np.testing.assert_array_equal(np.concatenate(batches(again, range(steps))), epochs[0])
+
+
+def test_a_windowed_order_reads_each_window_from_its_own_shards():
+    order = windowed()  # 16 shards of 64 (the last of 40), windows of 3 shards: 192 examples
+    epoch = np.concatenate(batches(order, range(25)))
+    for start in range(0, 1000, 192):
+        shards = np.unique(epoch[start:start + 192] // 64)
+        assert len(shards) == min(3, 16 - start // 192 * 3)
+        # Whole shards: a window holds every example of each of its shards.
+        assert len(epoch[start:start + 192]) == sum(min(64, 1000 - s * 64) for s in shards)
+    assert np.all(epoch[-40:] // 64 == 15)  # the short shard, last: its window holds it alone
+
+
+@pytest.mark.parametrize("pipelines, first, window", [(1, 37, 3), (2, 0, 3), (4, 13, 3),
+                                                      (2, 5, 4), (4, 0, 4)])
+def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, first, window):
+    """What the synchronous strategies read (a window at a time, each shard in one
+    run) is what a parameter-server step reads (`Order.indices`), however the input is
+    split and wherever it starts; an epoch longer than the examples goes on to a new
+    permutation. With windows of 4 shards, 2 or 4 pipelines each read shards of their
+    own (`Order.pipeline_shards`): together, every record once."""
+    steps = 20 if window == 3 else 12  # 800 examples an epoch, or 480 in one pass
+    order = windowed(size=500, batch=40, steps_per_epoch=steps, shard=48, window=window)
+    assert order.pipeline_shards(pipelines) == (window == 4)
+    records_read = tf.Variable(0, dtype=tf.int64)
+
+    def span(loaded, starts, counts):
+        records_read.assign_add(tf.reduce_sum(counts))
+        return tf.strings.as_string(tf.ragged.range(starts, starts + counts).flat_values)
+
+    source = indexed.Source(500, lambda loaded, i: i, span=span,
+                            decode=lambda raw: tf.strings.to_number(raw, tf.int64))
+    read = []
+    for pipeline in range(pipelines):
+        context = tf.distribute.InputContext(pipelines, pipeline, pipelines)
+        elements = indexed.dataset(source, order, context, lambda: tf.constant(first, tf.int64))
+        read.append([e.numpy() for e in elements.take(3 * steps)])
+    for k, expected in enumerate(batches(order, range(first, first + 3 * steps))):
+        np.testing.assert_array_equal(np.sort(np.concatenate([part[k] for part in read])),
+                                      np.sort(expected))
+    if window == 4 and first == 0:  # three epochs of 480 of the 500, and the windows ahead
+        assert records_read.numpy() < 3 * 500 + 2 * pipelines * 192, records_read.numpy()
+
+
 def test_augmentation_seeds_follow_the_example_and_the_epoch():
     order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=5)
     indices, seeds = order.indices(3)
@@ -83,7 +144,7 @@ def test_indexed_arrays_read_the_rows_asked_for_in_the_graph_or_through_files(
                   "name": np.array([f"n{i}".encode() for i in range(50)])}
         source = data.indexed_arrays(images, labels)
         indices = tf.constant([49, 0, 7, 7], tf.int64)
-        x, y = source.read(source.load(), indices)
+        x, y = source.read(source.load() if source.load else None, indices)
     finally:
         data.use_storage(None)
     np.testing.assert_array_equal(x.numpy(), images[[49, 0, 7, 7]])
@@ -91,7 +152,7 @@ def test_indexed_arrays_read_the_rows_asked_for_in_the_graph_or_through_files(
     np.testing.assert_array_equal(y["ok"].numpy(), labels["ok"][[49, 0, 7, 7]])
     assert list(y["name"].numpy()) == [b"n49", b"n0", b"n7", b"n7"]
     assert source.size == 50
-    assert any(tmp_path.rglob("*.bin")) == in_files
+    assert any(tmp_path.rglob("*.rows.tfrecord")) == in_files
 
 
 def test_records_written_with_their_index_are_read_by_index(tmp_path):
@@ -99,10 +160,10 @@ def test_records_written_with_their_index_are_read_by_index(tmp_path):
     paths = [tmp_path / "a.tfrecord", tmp_path / "b.tfrecord"]
     data.write_records(paths[0], {k: v[:4] for k, v in columns.items()})
     data.write_records(paths[1], {k: v[4:] for k, v in columns.items()})
-    assert json.loads((tmp_path / "a.tfrecord.index.json").read_text()) == {"records": 4}
+    assert records.read_index(paths[0]).records == 4
     source = data.indexed_records(paths, {"x": ([3], tf.float32), "y": ([], tf.int64)},
                                   example=lambda f: (f["x"], f["y"]))
-    x, y = source.read(source.load(), tf.constant([9, 3, 4], tf.int64))
+    x, y = source.read(None, tf.constant([9, 3, 4], tf.int64))
     assert source.size == 10
     np.testing.assert_array_equal(x.numpy(), columns["x"][[9, 3, 4]])
     np.testing.assert_array_equal(y.numpy(), [9, 3, 4])
@@ -112,8 +173,10 @@ def test_records_without_their_index_are_refused_with_the_fix(tmp_path):
     path = tmp_path / "old.tfrecord"
     with tf.io.TFRecordWriter(str(path)) as writer:
         writer.write(b"x")
-    with pytest.raises(ValueError, match="old.tfrecord has no index beside it .*write it with "
-                                         "app.data.write_records, which writes both"):
+    with pytest.raises(ConfigError, match=r"old.tfrecord has no index beside it, which reading "
+                                          r"by index needs \(.*old.tfrecord.index, with every "
+                                          r"record's offset\); make it: python -m "
+                                          r"tools.index_records .*old.tfrecord$"):
         data.indexed_records([path], {"x": ([], tf.int64)})
 
 
@@ -131,7 +194,8 @@ def test_a_run_by_index_trains_on_every_example_once_an_epoch(tmp_path, kind, ca
         metrics = numbered_run(tmp_path, chosen)
     assert metrics["input"] == "by_index" and metrics["input_guarantee"] == "exactly_once"
     assert metrics["visits_min"] == metrics["visits_max"] == 2, metrics  # two epochs
-    assert "input: by index, 256 examples in an order of (train.seed, epoch)" in caplog.text
+    assert ("input: by index, 256 examples, in an order of (train.seed, epoch): one "
+            "permutation of all the examples; every example once per epoch") in caplog.text
 
 
 def test_without_by_index_the_task_pipeline_is_read_and_the_run_says_so(tmp_path, caplog):

@@ -78,6 +78,35 @@ def test_a_task_over_its_memory_limit_stops_with_the_named_error(tmp_path):
                          "many); exit code 5"), last
 
 
+@pytest.mark.parametrize("fault", ["refused", "wild"])
+def test_a_refused_allocation_tensorflow_does_not_check_is_the_named_error(tmp_path, fault):
+    """A TensorFlow kernel that writes through the NULL pointer of an allocation the limit
+    refused (reading a 2 GiB file whole under 0.5 GiB) ends with the named error and exit
+    code 5, not a segfault; a fault at a wild address still crashes (SIGSEGV)."""
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.truncate(2 << 30)  # sparse: no disk, zeros when read
+    script = ("import ctypes, sys\n"
+              "import tensorflow as tf\n"
+              "from app.cluster import memory\n"
+              "memory.follow_threads(0.5)\n"
+              "assert memory.catch_failed_allocations('worker:1', 0.5)\n"
+              f"if {fault!r} == 'refused': tf.io.read_file({str(big)!r})\n"
+              "else: ctypes.string_at(0xdeadbeef000, 8)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=QUIET, timeout=120)
+    if fault == "wild":
+        assert done.returncode == -11, done.stderr[-2000:]
+        return
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == memory.EXIT_CODE, done.stderr[-2000:]
+    assert last.startswith("error: worker:1 ran out of its memory limit "
+                           "(runtime.memory_limit_gib = 0.5 GiB), allocating memory in "
+                           "TensorFlow's C++ code, which wrote through the NULL pointer of the "
+                           "refused allocation (SIGSEGV at 0x"), last
+    assert last.endswith("; exit code 5"), last
+
+
 def test_the_error_names_the_task_tensorflow_could_not_allocate_on():
     class ResourceExhaustedError(Exception):  # TensorFlow's, matched by name
         pass

@@ -43,6 +43,13 @@ def test_plan_halves_the_gradient_bytes_of_a_float16_push():
     assert sum(traffic.written_bytes) == 3_274_634 * 2
 
 
+def test_the_memory_of_multi_worker_mirrored_workers_is_planned_for_keras3_models(capsys):
+    # launch.local --ps 0 under a memory limit checks this plan before it starts anything.
+    assert plan_command.main(["--config", "configs/mnist_sync.toml", "--ps", "0",
+                              "--memory-limit-gib", "4", "--set", "task.keras=keras"]) == 0
+    assert "worker" in capsys.readouterr().out
+
+
 def test_plan_command_prints_the_report(capsys):
     assert plan_command.main(["--config", "configs/mnist_ps.toml", "--ps", "2"]) == 0
     out = capsys.readouterr().out

@@ -333,13 +333,14 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
     with open(workdir.with_suffix(".log"), "w") as log:
         process = subprocess.Popen([sys.executable, *args, "--workdir", str(workdir)],
                                    env=env, stdout=log, stderr=subprocess.STDOUT)
-        peak, cpu, peaks = 0, {}, {}
+        peak, cpu, peaks, reads = 0, {}, {}, {}
         while process.poll() is None:
             pids = procstat.tree(process.pid)
             peak = max(peak, procstat.rss(pids))
             # A process that has ended keeps its last reading.
             cpu.update(procstat.cpu_seconds(pids))
             peaks.update(procstat.peak_rss(pids))
+            reads.update(procstat.read_chars(pids))
             time.sleep(0.2)
     if process.returncode:
         tail = workdir.with_suffix(".log").read_text()[-3000:]
@@ -356,6 +357,9 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
     for task, peak_bytes in peaks.values():
         largest[task] = max(largest.get(task, 0), round(peak_bytes / 2**20, 1))
     metrics["peak_rss_mib_by_task"] = largest
+    # Bytes read by every process of the run, up to its last poll (a process that ends
+    # between two polls loses what it read after the last one).
+    metrics["bytes_read"] = sum(chars for _, chars in reads.values())
     return metrics
 
 

@@ -76,16 +76,29 @@ def cpu_seconds(pids: list[int]) -> dict[int, tuple[str, float]]:
 def peak_rss(pids: list[int]) -> dict[int, tuple[str, int]]:
     """Per pid: its cluster task type (`task_type`) and the peak resident bytes the
     kernel recorded for it so far (VmHWM), so no peak falls between polls."""
+    return _field(pids, "status", "VmHWM:", 1024)
+
+
+def read_chars(pids: list[int]) -> dict[int, tuple[str, int]]:
+    """Per pid: its cluster task type (`task_type`) and the bytes it has read so far
+    through read() and pread() calls (`rchar` of /proc/<pid>/io: from the page cache
+    or the disk alike)."""
+    return _field(pids, "io", "rchar:", 1)
+
+
+def _field(pids: list[int], name: str, key: str, unit: int) -> dict[int, tuple[str, int]]:
+    """Per pid: its task type and the number after `key` in /proc/<pid>/<name>, times
+    `unit`; a process that has ended meanwhile is left out."""
     found = {}
     for p in pids:
         try:
-            status = pathlib.Path(f"/proc/{p}/status").read_text()
+            text = pathlib.Path(f"/proc/{p}/{name}").read_text()
         except OSError:
-            continue  # ended meanwhile
+            continue
         task = task_type(p)
         if task is None:
-            continue  # ended meanwhile
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                found[p] = task, int(line.split()[1]) * 1024
+            continue
+        for line in text.splitlines():
+            if line.startswith(key):
+                found[p] = task, int(line.split()[1]) * unit
     return found

@@ -30,9 +30,14 @@ before the op fails; with "malloc" it fails at once.
 
 RLIMIT_DATA is a bound on what the process asks for, not on its resident pages,
 and it fails the allocation that crosses it rather than killing the process: the
-task names the error and exits with `EXIT_CODE`. An allocation that fails in
-C++ outside any op (gRPC's buffers: std::bad_alloc) would abort the process
-instead (SIGABRT, exit -6 or 134); not seen here, and listed in
+task names the error and exits with `EXIT_CODE`. Where TensorFlow's C++ does not
+check an allocation (a string a tf.data kernel reads into: `tf.io.read_file`, a
+TFRecord batch), the refused allocation's NULL pointer is written to and the
+process gets SIGSEGV at an address below every mapping of the process (seen here:
+0x0, 0x4029, 0x8100000). `catch_failed_allocations` turns exactly that fault into
+the same named error and exit code; any other fault crashes as it would. An
+allocation that fails in C++ by throwing (gRPC's buffers: std::bad_alloc) aborts
+the process instead (SIGABRT, exit -6 or 134); not seen here, and listed in
 docs/troubleshooting.md.
 """
 
@@ -42,6 +47,7 @@ import ctypes
 import os
 import re
 import resource
+import signal
 import threading
 import time
 
@@ -157,6 +163,65 @@ def follow_threads(gib: float) -> threading.Thread:
     return watcher
 
 
+class _SigAction(ctypes.Structure):
+    """glibc's `struct sigaction` on Linux (x86-64 and aarch64)."""
+
+    _fields_ = [("handler", ctypes.c_void_p), ("mask", ctypes.c_ulong * 16),
+                ("flags", ctypes.c_int), ("restorer", ctypes.c_void_p)]
+
+
+_SA_SIGINFO, _SA_ONSTACK, _SA_RESETHAND = 0x4, 0x08000000, 0x80000000
+# siginfo_t's si_addr: after si_signo, si_errno, si_code and padding (Linux, 64 bits).
+_SI_ADDR = 16
+_FAULT_HANDLER = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
+_installed: list = []  # the handler, kept alive for as long as the process runs
+
+
+def _lowest_mapping() -> int:
+    with open("/proc/self/maps") as maps:
+        return min(int(line.split("-", 1)[0], 16) for line in maps)
+
+
+def catch_failed_allocations(label: str, gib: float) -> bool:
+    """Make a SIGSEGV or SIGBUS at an address below every mapping of this process and
+    below the machine's memory (a write through the NULL pointer of an allocation the
+    limit refused, in C++ that does not check it) end the task with the named error
+    and `EXIT_CODE`, as a failed allocation TensorFlow reports does. Any other fault
+    is left to crash as before (the handler resets itself first). False where it
+    cannot be installed.
+
+    A handler that runs Python: ctypes takes the GIL, which the thread that faulted
+    (a TensorFlow thread) does not hold, and which the main thread releases while
+    TensorFlow runs."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        # NULL plus an offset into the allocation: below the lowest mapping, and less
+        # than any allocation the machine could have made (a wild pointer rarely is).
+        bound = min(_lowest_mapping(), os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (OSError, ValueError):
+        return False
+    limit = f"its memory limit (runtime.memory_limit_gib = {gib:g} GiB)"
+
+    def on_fault(signum, info, context):
+        address = ctypes.c_void_p.from_address(info + _SI_ADDR).value or 0
+        if address < bound:
+            what = (f"allocating memory in TensorFlow's C++ code, which wrote through the "
+                    f"NULL pointer of the refused allocation ({signal.Signals(signum).name} at "
+                    f"{address:#x})")
+            os.write(2, f"error: {_line(label, limit, what, gib)}\n".encode())
+            os._exit(EXIT_CODE)
+        # Otherwise return: the default action (SA_RESETHAND) takes the fault again.
+
+    handler = _FAULT_HANDLER(on_fault)
+    action = _SigAction(handler=ctypes.cast(handler, ctypes.c_void_p).value,
+                        flags=_SA_SIGINFO | _SA_ONSTACK | _SA_RESETHAND)
+    for signum in (signal.SIGSEGV, signal.SIGBUS):
+        if libc.sigaction(signum, ctypes.byref(action), None) != 0:
+            return False
+    _installed.append(handler)
+    return True
+
+
 def is_out_of_memory(error: BaseException) -> bool:
     """A failed allocation: numpy's or Python's MemoryError, TensorFlow's
     ResourceExhaustedError of an "OOM when allocating" (read by name: TensorFlow need
@@ -182,6 +247,10 @@ def message(error: BaseException, label: str, gib: float) -> str:
     tensor = _TENSOR.search(str(error))
     what = (f"allocating a tensor of shape [{tensor[1]}]" if tensor
             else f"{type(error).__name__} {str(error).strip()[:120]}".strip())
+    return _line(task, limit, what, gib)
+
+
+def _line(task: str, limit: str, what: str, gib: float) -> str:
     return (f"{task} ran out of {limit}, {what}; raise the limit, or add ps tasks to "
             f"spread the tables (python -m tools.plan --config <the run's config> "
             f"--memory-limit-gib {gib:g} says how many); "

@@ -103,7 +103,10 @@ def _bytes(variables) -> int:
 
 
 def _variable_bytes(variable) -> int:
-    return variable.shape.num_elements() * variable.dtype.size
+    # Keras 3's variables name their dtype ("float32") and give their shape as a tuple.
+    import tensorflow as tf  # started already: the model was built
+
+    return math.prod(variable.shape) * tf.as_dtype(variable.dtype).size
 
 
 def peaks(built, placement, traffic, num_workers: int = 0) -> dict[str, int]:

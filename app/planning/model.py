@@ -161,6 +161,8 @@ def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
     of the batch looked up, every row with its int64 id. The values count half
     with sync.compression = fp16; the ids do not.
     """
+    import tensorflow as tf  # started by the task's import
+
     from app import task as tasks
 
     task, config = tasks.create(config)
@@ -169,12 +171,14 @@ def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
     share = config.train.global_batch_size // num_workers
     total = 0.0
     for var in model.trainable_variables:
-        nbytes = var.shape.num_elements() * var.dtype.size
-        looked_up = task.lookup_rows(var, [var.shape[0]], share) if var.shape.rank else None
+        # Keras 3's variables give their shape as a tuple and name their dtype.
+        shape = tuple(var.shape)
+        nbytes = math.prod(shape) * tf.as_dtype(var.dtype).size
+        looked_up = task.lookup_rows(var, [shape[0]], share) if shape else None
         if looked_up is None:
             total += 2 * (num_workers - 1) / num_workers * nbytes * scale
         else:
-            total += (num_workers - 1) * looked_up[0] * (nbytes / var.shape[0] * scale + 8)
+            total += (num_workers - 1) * looked_up[0] * (nbytes / shape[0] * scale + 8)
     return total
 
 

@@ -158,6 +158,9 @@ class SingleHost:
     # Whether a step this kind of run runs again (after a worker died) may have been
     # applied already, when it reads a task's examples by index (app.indexed).
     reruns_applied_steps = False
+    # Whether its input pipelines read examples from files a window ahead
+    # (indexed.dataset), rather than a batch at a time inside each step.
+    reads_ahead = True
     # Whether updates are ps.mode = sync's, in that loop's own step (app/distribute/ps/sync.py).
     synchronous_ps = False
 
@@ -285,6 +288,7 @@ class AsyncPS(SingleHost):
 
     # The coordinator runs a dead worker's step again, whose update may have landed.
     reruns_applied_steps = True
+    reads_ahead = False
 
     def __init__(self, strategy, config, cluster):
         super().__init__(strategy, config)
