@@ -362,7 +362,7 @@ def test_arrays_over_the_graph_limit_train_through_files_in_the_workdir(
                           task=LargeArrays())
     # One file per array (train images and labels, test images and labels), read by
     # the workers; every test example evaluated once, and learned.
-    assert len(list((tmp_path / "arrays").glob("*.bin"))) == 4
+    assert len(list((tmp_path / "arrays").glob("*.rows.tfrecord"))) == 4
     assert metrics["num_test_examples"] == 2400 and metrics["test_accuracy"] > 0.9
 
 
