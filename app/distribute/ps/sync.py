@@ -318,7 +318,7 @@ class _Parts:
     def __init__(self, exchange: Exchange, per_epoch: int):
         self.exchange, self.per_epoch = exchange, per_epoch
         self.dropped = tf.function(exchange.dropped)
-        self.epoch, self.pending = 0, collections.deque()
+        self.epoch, self.pending, self.copies = 0, collections.deque(), 0
 
     def begin(self, epoch: int, resumed: bool) -> None:
         """A new epoch: every part pending; resumed mid-epoch, those the backup does not
@@ -329,11 +329,22 @@ class _Parts:
         self.epoch, self.pending = epoch, collections.deque(np.flatnonzero(~taken).tolist())
 
     def next(self) -> int | None:
-        """The number of the next part to hand out (over all epochs), or None while every
-        part left is out with a contribution."""
+        """The number of the next part to hand out (over all epochs): a pending one, else
+        one whose contribution was dropped, else a copy of one still out with its
+        contribution, as a backup worker's (None once none is out). The chief asks only
+        while an update is short of contributions, so a copy goes out only at an epoch's
+        tail, where every part left is out, perhaps with the slow worker: without it the
+        update would wait for that worker. The first of a part's contributions to come
+        is the one an update takes, the others are dropped (`Exchange._waited`)."""
         if not self.pending:
             self.pending.extend(self.dropped().numpy().tolist())
-        return self.epoch * self.per_epoch + self.pending.popleft() if self.pending else None
+        if self.pending:
+            return self.epoch * self.per_epoch + self.pending.popleft()
+        out = np.flatnonzero(self.exchange.parts.numpy() == PART_PENDING)
+        if not out.size:
+            return None
+        self.copies += 1
+        return self.epoch * self.per_epoch + int(out[self.copies % out.size])
 
 
 class _Scheduler:
