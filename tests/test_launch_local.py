@@ -3,7 +3,6 @@ one worker SIGKILLed mid-epoch; the chief finishes the run on the other."""
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from app.cluster.preemption import EXIT_CODE as PREEMPTED
 from app.cluster.tf_config import TaskLost
 from launch import local, network, processes
 from tests import launching
+from tests.test_ports import plain_bind
 
 LOST = TaskLost.exit_code
 
@@ -222,7 +222,7 @@ def test_every_port_handed_to_a_task_is_held_until_the_launcher_exits(monkeypatc
         assert len(given) == 7  # chief, 2 workers, ps, evaluator; dispatcher, tf.data worker
         for address in given:
             with pytest.raises(OSError, match="Address already in use"):
-                bind_plainly(int(address.rpartition(":")[2]))
+                plain_bind(int(address.rpartition(":")[2]))
         return 0, False
 
     monkeypatch.setattr(local, "Process", Started)
@@ -231,14 +231,4 @@ def test_every_port_handed_to_a_task_is_held_until_the_launcher_exits(monkeypatc
     assert local.main(["--workers", "2", "--ps", "1", "--evaluator", "--data-workers", "1",
                        "--workdir", "unused"]) == 0
     for address in given:  # released with the launcher
-        bind_plainly(int(address.rpartition(":")[2])).close()
-
-
-def bind_plainly(port: int) -> socket.socket:
-    s = socket.socket()
-    try:
-        s.bind(("", port))
-    except OSError:
-        s.close()
-        raise
-    return s
+        plain_bind(int(address.rpartition(":")[2])).close()
