@@ -137,18 +137,27 @@ def serve(cluster: clusters.Cluster, config: cfg.Config,
 
 def lost(cluster: clusters.Cluster | None, code: int) -> int:
     """`code`, the exit code of a `TaskLost` (203) or `Preempted` (204) handled
-    already; a parameter-server chief that lost a task exits with 203 at once.
+    already; a task that would not exit cleanly with it exits with it at once.
 
-    A chief that lost a ps went on, at the interpreter's exit, calling it for
-    seconds (and the ps restarted on its port: "Unable to find a context_id ...
-    Perhaps the worker was restarted"), the coordinator's threads still running:
-    in a full `make test` on a loaded machine one such chief printed its error
-    and no exit with 203 followed, as the chief whose ps ran out of memory
-    segfaulted there (main, below). Its garbage is collected first, as at a
-    normal exit: a summary writer deleted flushes TensorBoard's events (in the
-    runs that showed this, the first chief's epoch-1 events were there either way).
+    A parameter-server chief that lost a ps went on, at the interpreter's exit,
+    calling it for seconds (and the ps restarted on its port: "Unable to find a
+    context_id ... Perhaps the worker was restarted"), the coordinator's threads
+    still running: in a full `make test` on a loaded machine one such chief
+    printed its error and no exit with 203 followed, as the chief whose ps ran out
+    of memory segfaulted there (main, below).
+
+    A MultiWorkerMirrored worker preempted (its backup saved with the others') or
+    that lost a peer: at the interpreter's exit TensorFlow's coordination service
+    waits for peers that have left already. In a fresh-clone `make test`, worker 0
+    printed "preempted ... backup saved", worker 1 exited with 204, and worker 0
+    was still there 30 s later, when the launcher killed it (-9).
+
+    Garbage is collected first, as at a normal exit: a summary writer deleted
+    flushes TensorBoard's events.
     """
-    if not (chief_failure.applies(cluster) and code == clusters.TaskLost.exit_code):
+    ps_chief = chief_failure.applies(cluster) and code == clusters.TaskLost.exit_code
+    synchronous_worker = bool(cluster and cluster.is_multi_task and not cluster.num_ps)
+    if not (ps_chief or synchronous_worker):
         return code
     gc.collect()
     exit_now(code)

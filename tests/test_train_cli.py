@@ -121,3 +121,25 @@ def test_a_failed_export_ends_a_trained_run_with_one_line_and_exit_6(tmp_path):
     assert metrics["export_error"] in last and metrics["steps"] == 4
     assert (workdir / "model.keras").exists() and list((workdir / "checkpoints").iterdir())
     assert not (workdir / "export").exists()  # whole or absent
+
+
+@pytest.mark.parametrize("jobs, task, code, at_once", [
+    # A MultiWorkerMirrored worker's peers may have left: at the interpreter's exit
+    # TensorFlow's coordination service would wait for them.
+    ({"worker": ["a:1", "b:1"]}, ("worker", 0), 204, True),
+    ({"chief": ["a:1"], "worker": ["b:1"]}, ("chief", 0), 203, True),
+    # A parameter-server chief that lost a task; one preempted leaves as usual.
+    ({"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}, ("chief", 0), 203, True),
+    ({"chief": ["a:1"], "worker": ["b:1"], "ps": ["c:1"]}, ("chief", 0), 204, False),
+    ({"worker": ["a:1"]}, ("worker", 0), 204, False),
+])
+def test_a_lost_or_preempted_task_of_a_cluster_exits_at_once(monkeypatch, jobs, task, code,
+                                                              at_once):
+    from app import train
+    from app.cluster import tf_config
+
+    cluster = tf_config.Cluster({job: tuple(addrs) for job, addrs in jobs.items()}, *task)
+    exits = []
+    monkeypatch.setattr(train, "exit_now", exits.append)
+    assert train.lost(cluster, code) == (None if at_once else code)
+    assert exits == ([code] if at_once else [])
