@@ -258,61 +258,11 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
     shards it needs in one sequential read (`Source.span`), its examples then taken in
     the window's order, a batch at a time. The window in use and the one read ahead
     (prefetch): what a reader holds, whatever the size of the data set."""
-    per_epoch = order.steps_per_epoch * order.batch
-    per_window = order.window_examples
-    windows = -(-order.size // per_window)
-    passes = -(-per_epoch // order.size)
     part = order.batch // pipelines
-    own_shards = order.pipeline_shards(pipelines)
-
-    def segments(_):
-        """(epoch, pass, window, first position, end): the positions of an epoch each
-        window serves, from the first step's on."""
-        first = first_step()
-        first_epoch = first // order.steps_per_epoch
-        first_position = (first % order.steps_per_epoch) * order.batch
-
-        def of_epoch(epoch):
-            return tf.data.Dataset.range(passes * windows).map(
-                lambda k: (epoch, k // windows, k % windows))
-
-        def bounds(epoch, pass_, window):
-            start = pass_ * order.size + window * per_window
-            end = tf.minimum(tf.minimum(start + per_window, (pass_ + 1) * order.size),
-                             per_epoch)
-            start = tf.where(epoch == first_epoch, tf.maximum(start, first_position), start)
-            return epoch, pass_, window, start, end
-
-        return (tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(of_epoch).map(bounds)
-                .filter(lambda epoch, pass_, window, start, end: start < end))
-
-    def mine(positions):
-        """The positions of this pipeline's part of their batches."""
-        if own_shards:  # every batch starts at a window's first turn
-            return (positions % order.window) % pipelines == pipeline
-        return (positions % order.batch) // part == pipeline
 
     def read(loaded, segment):
-        epoch, pass_, window, start, end = segment
-        positions = tf.range(start, end)
-        positions = tf.boolean_mask(positions, mine(positions)) - pass_ * order.size
-        epochs = tf.fill(tf.shape(positions), epoch)
-        place, indices = order.in_window(positions, epochs, tf.fill(tf.shape(positions), pass_))
-        # The window's turns this pipeline takes examples from: its own, in a whole
-        # window of its own shards; else all of them.
-        whole = order.size - window * per_window >= per_window
-        first, every = ((pipeline, pipelines) if own_shards else (0, 1))
-        first = tf.where(whole, tf.constant(first, tf.int64), 0)
-        every = tf.where(whole, tf.constant(every, tf.int64), 1)
-        turns = tf.range(first, tf.minimum(order.shards - window * order.window, order.window),
-                         every)
-        slots = window * order.window + turns
-        shards = order.shard_at(slots, tf.fill(tf.shape(slots), epoch),
-                                tf.fill(tf.shape(slots), pass_))
-        raw = source.span(loaded, shards * order.shard,
-                          tf.minimum(order.size - shards * order.shard, order.shard))
-        taken = ((place // order.shard - first) // every) * order.shard + place % order.shard
-        return raw, taken, indices, epochs
+        return _read_window(source, order, pipelines, pipeline,
+                            None if source.load is None else loaded, segment)
 
     def batches(raw, taken, indices, epochs):
         """The window's examples in its order, a batch at a time: each batch gathered
@@ -323,11 +273,65 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
 
         return tf.data.Dataset.range(0, tf.size(taken, out_type=tf.int64), part).map(batch)
 
-    segments = tf.data.Dataset.range(1).flat_map(segments)
+    segments = tf.data.Dataset.range(1).flat_map(lambda _: _segments(order, first_step()))
     loaded = loaded_dataset(source) if source.load else tf.data.Dataset.from_tensors(0).repeat()
-    return (tf.data.Dataset.zip(loaded, segments)
-            .map(lambda loaded, segment: read(None if source.load is None else loaded, segment))
+    return (tf.data.Dataset.zip(loaded, segments).map(read)
             .prefetch(1).flat_map(batches).rebatch(part))
+
+
+def _segments(order: Order, first: tf.Tensor) -> tf.data.Dataset:
+    """(epoch, pass, window, first position, end): the positions of each epoch that
+    each window serves, from step `first`'s on."""
+    per_epoch = order.steps_per_epoch * order.batch
+    windows = -(-order.size // order.window_examples)
+    passes = -(-per_epoch // order.size)
+    first_epoch = first // order.steps_per_epoch
+    first_position = (first % order.steps_per_epoch) * order.batch
+
+    def of_epoch(epoch):
+        return tf.data.Dataset.range(passes * windows).map(
+            lambda k: (epoch, k // windows, k % windows))
+
+    def bounds(epoch, pass_, window):
+        start = pass_ * order.size + window * order.window_examples
+        end = tf.minimum(tf.minimum(start + order.window_examples, (pass_ + 1) * order.size),
+                         per_epoch)
+        start = tf.where(epoch == first_epoch, tf.maximum(start, first_position), start)
+        return epoch, pass_, window, start, end
+
+    return (tf.data.Dataset.range(first_epoch, _ENDLESS).flat_map(of_epoch).map(bounds)
+            .filter(lambda epoch, pass_, window, start, end: start < end))
+
+
+def _read_window(source: Source, order: Order, pipelines: int, pipeline: int, loaded: Any,
+                 segment: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, ...]:
+    """One segment's (raw records of the shards read, where each position's example
+    is among them, example indices, epochs), for this pipeline's positions only."""
+    epoch, pass_, window, start, end = segment
+    own_shards = order.pipeline_shards(pipelines)
+    positions = tf.range(start, end)
+    if own_shards:  # every batch starts at a window's first turn
+        mine = (positions % order.window) % pipelines == pipeline
+    else:
+        mine = (positions % order.batch) // (order.batch // pipelines) == pipeline
+    positions = tf.boolean_mask(positions, mine) - pass_ * order.size
+    epochs = tf.fill(tf.shape(positions), epoch)
+    place, indices = order.in_window(positions, epochs, tf.fill(tf.shape(positions), pass_))
+    # The window's turns this pipeline takes examples from: its own, in a whole
+    # window of its own shards; else all of them.
+    whole = order.size - window * order.window_examples >= order.window_examples
+    first, every = ((pipeline, pipelines) if own_shards else (0, 1))
+    first = tf.where(whole, tf.constant(first, tf.int64), 0)
+    every = tf.where(whole, tf.constant(every, tf.int64), 1)
+    turns = tf.range(first, tf.minimum(order.shards - window * order.window, order.window),
+                     every)
+    slots = window * order.window + turns
+    shards = order.shard_at(slots, tf.fill(tf.shape(slots), epoch),
+                            tf.fill(tf.shape(slots), pass_))
+    raw = source.span(loaded, shards * order.shard,
+                      tf.minimum(order.size - shards * order.shard, order.shard))
+    taken = ((place // order.shard - first) // every) * order.shard + place % order.shard
+    return raw, taken, indices, epochs
 
 
 def pipeline(source: Source, indices: tf.data.Dataset, batch_size: int,
