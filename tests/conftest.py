@@ -5,6 +5,8 @@ TensorFlow, so MirroredStrategy has two replicas to work with in-process.
 """
 
 import json
+import os
+import resource
 from collections.abc import Iterator
 
 import numpy as np
@@ -50,6 +52,26 @@ def pytest_xdist_make_scheduler(config, log):
             return nodeid if path.rpartition("/")[2] in SPREAD else path
 
     return Scheduler(config, log)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """With TEST_CPU_LOG=FILE, each test's CPU seconds (setup, call and teardown; the
+    runner's own threads and every process it started and reaped, the tasks of a
+    launch.local included) appended to FILE as `seconds nodeid`. `make test` is bound
+    by the two cores, not by waiting: what a test costs the suite is its CPU time."""
+    log = os.environ.get("TEST_CPU_LOG")
+    before = _cpu_seconds() if log else 0.0
+    yield
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{_cpu_seconds() - before:.2f} {item.nodeid}\n")
+
+
+def _cpu_seconds() -> float:
+    own, children = (resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                          resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
