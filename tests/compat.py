@@ -54,6 +54,26 @@ SAME_IN_BOTH = ("ApplicationModel", "RecurrentModel", "ConvModel", "DropoutModel
 CHECKED = [name for name in CASES if os.environ.get("COMPAT_RECORD") or name not in SAME_IN_BOTH]
 
 WAYS = ("one_process", "mirrored", "multi_worker_mirrored", "ps_async", "ps_sync")
+
+# The Keras 3 cases whose feature is a layer's own arithmetic (an application,
+# recurrences, convolutions, attention): MultiWorkerMirrored differs from Mirrored,
+# and synchronous parameter servers from asynchronous ones, only in how gradients
+# and variables cross between processes, which every other case of those ways
+# exercises (BatchNorm's statistics by BatchNormModel and SyncBatchNormModel).
+# `make test` trains these under one process, Mirrored and asynchronous parameter
+# servers; `make compat` (COMPAT_RECORD) under every way. Together they took 85 CPU
+# seconds of those two ways' columns (`TEST_CPU_LOG`, docs/testing.md), the
+# application alone 51.
+COMPUTE_ALONE = tuple(KERAS3 + name for name in ("ApplicationModel", "RecurrentModel",
+                                                 "ConvModel", "TransformerModel"))
+BY_EXCHANGE = ("multi_worker_mirrored", "ps_sync")
+
+
+def checked(way: str) -> list[str]:
+    """The cases a test run trains `way`."""
+    if os.environ.get("COMPAT_RECORD") or way not in BY_EXCHANGE:
+        return CHECKED
+    return [name for name in CHECKED if name not in COMPUTE_ALONE]
 # The headline metric against Keras' evaluate of the same weights on one process.
 TOLERANCE = 1e-4
 
@@ -147,7 +167,7 @@ def compare(task: zoo.Zoo, config: cfg.Config, workdir: pathlib.Path,
 def part(index: int, parts: int) -> list[str]:
     """Part `index` of `parts` of the checked cases, which one MultiWorkerMirrored pair
     trains (`main`)."""
-    return CHECKED[index::parts]
+    return checked("multi_worker_mirrored")[index::parts]
 
 
 def main() -> int:

@@ -29,7 +29,8 @@ def launch(tmp_path, *args: str) -> subprocess.Popen:
 def test_two_workers_train_in_sync_and_a_killed_one_resumes_both_from_the_backup(tmp_path):
     # One run for both paths: killed as epoch 2 begins (epoch 1 is in the backup), the
     # job is relaunched, resumes, and ends as a clean run does.
-    launcher = launch(tmp_path, "--set", "train.epochs=3", "--max-restarts", "1")
+    launcher = launch(tmp_path, "--set", "train.epochs=3", "--set", "task.model=mlp",
+                      "--max-restarts", "1")
     output, killed = kill_on_line(launcher, "[worker:1] Epoch 2/3", "worker:1")
     launcher.wait(timeout=600)
     assert killed and launcher.returncode == 0, output[-3000:]
