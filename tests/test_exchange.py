@@ -45,6 +45,34 @@ def test_the_parts_handed_out_again_are_those_no_update_can_take():
     assert exchange.dropped().numpy().tolist() == [2]
 
 
+def test_a_worker_holding_a_part_an_earlier_update_took_has_its_turn_back():
+    """A backup copy of a part whose original an update took can never be taken: its
+    worker must not wait for the version to move (with the straggler waiting for the
+    same, nothing moved it)."""
+    variable = tf.Variable(tf.zeros([2]))
+    exchange = Exchange(2, 1, "/cpu:0", [variable], lambda v: v, parts=4)
+
+    def deposit(worker: int, part: int) -> None:
+        exchange.deposit([tf.ones([2])], [variable], exchange.version.read_value(),
+                         tf.constant(worker), tf.constant(part, tf.int64))
+
+    def holds() -> list[bool]:
+        return [bool(exchange.holds_turn(tf.constant(w))) for w in (0, 1)]
+
+    deposit(1, 2)  # the original of part 2, on version 0
+    assert holds() == [False, True]
+    exchange.update(lambda grads, variables: None, tf.constant(False))  # takes it
+    assert int(exchange.version.numpy()) == 1 and holds() == [False, False]
+    deposit(0, 2)  # the copy of part 2, on version 1: no update can take it
+    deposit(1, 1)
+    assert int(exchange.ready()) == 1 and holds() == [False, True]
+    # An update choosing worker 1 marks it chosen, then its part taken: while the
+    # update reads worker 1's slots, worker 1 still waits.
+    exchange.chosen_at.scatter_update(tf.IndexedSlices(tf.constant([1], tf.int64), [1]))
+    exchange.parts.scatter_update(tf.IndexedSlices(tf.constant([PART_TAKEN]), [1]))
+    assert holds() == [False, True]
+
+
 def test_the_slots_take_a_dense_copy_of_each_variable_per_worker_in_the_push_dtype():
     table, bias = tf.Variable(tf.zeros([1000, 8])), tf.Variable(tf.zeros([8]))
     assert slot_bytes([table, bias], 3, lambda v: v) == {table.device: 3 * 8008 * 4}

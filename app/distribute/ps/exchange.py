@@ -105,6 +105,9 @@ class Exchange:
                                        trainable=False, name="sync_part_of")
             self.parts = tf.Variable(tf.zeros([max(parts, 1)], tf.int32), trainable=False,
                                      name="sync_parts")
+            # Per worker, the version of the last update that chose its contribution.
+            self.chosen_at = tf.Variable(tf.fill([num_workers], tf.constant(-1, tf.int64)),
+                                         trainable=False, name="sync_chosen_at")
         self.num_parts = parts
         self._slots: dict[int, tf.Variable] = {}
         for variable in variables:
@@ -120,17 +123,38 @@ class Exchange:
     # -- on a worker -----------------------------------------------------------------------
 
     def wait_turn(self, worker: tf.Tensor) -> tf.Tensor:
-        """Once `worker`'s slots hold no contribution to the current version (they may
-        be being read for its update until it is applied), or the chief is draining
-        (no update runs then)."""
+        """Once `worker`'s slots hold no contribution to the current version that an
+        update may take or is reading (they are read until the update is applied), or
+        the chief is draining (no update runs then).
+
+        A contribution to a part of the epoch an earlier update took (a backup copy
+        handed out at an epoch's tail, whose original was taken before the copy ran)
+        can never be taken: waiting on it held this worker until the version moved,
+        and with the other worker the straggler that waits for the version to move,
+        nothing moved it (a 300 s hang in tests/test_sync_ps.py). Such a worker goes on.
+        The update marks `chosen_at` before it marks the parts it takes: a worker that
+        sees its part taken and then reads `chosen_at` knows whether it is being read."""
         def waiting(slept):
-            return tf.logical_and(tf.gather(self.marked, worker) == self.version.read_value(),
-                                  tf.logical_not(self.draining.read_value()))
+            return self.holds_turn(worker)
 
         def sleep(slept):
             return slept + tf_internal.sleep(tf.constant(WAIT_POLL_US, tf.int64))
 
         return tf.while_loop(waiting, sleep, [tf.constant(0, tf.int64)])[0]
+
+    def holds_turn(self, worker: tf.Tensor) -> tf.Tensor:
+        """Whether `worker`'s slots hold a contribution to the current version that an
+        update may still take or is reading, while the chief is not draining (`wait_turn`)."""
+        version = self.version.read_value()
+        turn = tf.logical_and(tf.gather(self.marked, worker) == version,
+                              tf.logical_not(self.draining.read_value()))
+        if not self.num_parts:
+            return turn
+        part = tf.maximum(tf.gather(self.part_of, worker), 0)
+        taken = tf.gather(self.parts, part) == PART_TAKEN
+        with tf.control_dependencies([taken]):  # read after the part's state
+            chosen = tf.gather(self.chosen_at, worker) == version
+        return tf.logical_and(turn, tf.logical_or(tf.logical_not(taken), chosen))
 
     def deposit(self, grads: Sequence, variables: Sequence, version: tf.Tensor,
                 worker: tf.Tensor, part: tf.Tensor | None = None) -> tf.Tensor:
@@ -240,8 +264,12 @@ class Exchange:
             chosen = tf.math.top_k(-self._waited(version), k=self.required).indices
             if self.num_parts:
                 taken_parts = tf.gather(self.part_of, chosen)
-                take = self.parts.scatter_update(tf.IndexedSlices(
-                    tf.fill([self.required], PART_TAKEN), taken_parts)).op
+                # Before the parts are marked taken (`wait_turn`).
+                mark = self.chosen_at.scatter_update(tf.IndexedSlices(
+                    tf.fill([self.required], version), chosen))
+                with tf.control_dependencies([mark.op]):
+                    take = self.parts.scatter_update(tf.IndexedSlices(
+                        tf.fill([self.required], PART_TAKEN), taken_parts)).op
         means, variables = [], []
         for variable, slot in self.deposited:
             storage = self.tf_variable(variable)
