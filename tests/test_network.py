@@ -210,9 +210,11 @@ def test_a_task_ports_bytes_go_through_its_own_class_each_way(namespace):
     into_worker, out_of_worker = found["links"]["worker:0"]
     into_ps, out_of_ps = found["links"]["ps:0"]
     # 1 MiB was sent to worker:0's port, 2 MiB came out of ps:0's; the other
-    # directions carried only TCP's acknowledgements.
-    assert 1 << 20 <= into_worker < (1 << 20) * 1.1 and out_of_worker < 100_000
-    assert 2 << 20 <= out_of_ps < (2 << 20) * 1.1 and into_ps < 100_000
+    # directions carried only TCP's acknowledgements. The counts hold the packets'
+    # headers, and any retransmissions (a fresh-clone `make test` counted 1.107 MiB into
+    # worker:0): bounded by what another class's flow would add, not by TCP's overhead.
+    assert 1 << 20 <= into_worker < 2 << 20 and out_of_worker < 1 << 19
+    assert 2 << 20 <= out_of_ps < 3 << 20 and into_ps < 1 << 19
     # Both classes had packets wait for their rate: the link limited them.
     overlimits = {classid: c[2] for classid, c in found["classes"].items()}
     assert overlimits["1:10"] > 0 and overlimits["1:13"] > 0
