@@ -34,6 +34,13 @@ these, only this module breaks, and only the runs that use it:
   read the model's variables once per closure of several steps and to keep their
   gradients (`ps.read_every`). If they move, such closures fail to trace
   (tests/test_steps_per_execution.py); the public way is `ps.read_every = 1`.
+- `new_collective_keys`: every MirroredStrategy of a process numbers its
+  collective ops from the same keys, so the second one a process trains with
+  fails its first all-reduce of another shape ("Shape mismatch in the collective
+  instance 100", tensorflow/tensorflow#62790); TF's own tests move the class's
+  key base the same way (strategy_combinations.py). If it moves, `app.strategy`
+  fails to create a MirroredStrategy (tests/test_strategy.py); the public way is
+  one MirroredStrategy per process.
 """
 
 from __future__ import annotations
@@ -52,6 +59,13 @@ def distribute_per_replica(strategy, dataset_fn, options):
     return input_util.get_distributed_datasets_from_function(
         dataset_fn, extended._input_workers_with_options(options),
         [extended._make_input_context()], strategy, options)
+
+
+def new_collective_keys(strategy_class) -> None:
+    """Make the next `strategy_class` (a MirroredStrategy) of this process number
+    its collective ops from keys no earlier one used (TF 2.21 mirrored_strategy.py,
+    `_make_collective_ops_with_fallbacks`)."""
+    strategy_class._collective_key_base += 100_000
 
 
 def sleep(microseconds: tf.Tensor) -> tf.Tensor:

@@ -71,6 +71,22 @@ def test_mirrored_uses_the_logical_cpu_devices():
     assert strategies.describe(s) == "MirroredStrategy"
 
 
+def test_mirrored_strategies_one_after_another_in_a_process_each_all_reduce():
+    """A process that trains one model, then another (a loop over configs, a test
+    session), builds a MirroredStrategy for each: every one's all-reduce of its
+    own shapes works (tensorflow/tensorflow#62790)."""
+    for size in (7, 3, 7):
+        s = strategies.create("mirrored")
+
+        @tf.function
+        def summed(s=s, size=size):
+            return s.run(lambda: tf.distribute.get_replica_context().all_reduce(
+                "sum", tf.ones([size])))
+
+        sums = [t.numpy() for t in s.experimental_local_results(summed())]
+        np.testing.assert_array_equal(sums, np.full((2, size), 2.0))
+
+
 def test_mirrored_on_cpus_feeds_each_replica_its_own_shard_of_the_training_input():
     s = strategies.create("mirrored")
     options = strategies.input_options(s)
