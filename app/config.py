@@ -298,6 +298,13 @@ class DebugConfig:
     # Log `step S` every N steps of training (0 = never), on every training task:
     # the fault tests read it to kill a task at a known step.
     log_every_steps: int = field(0, minimum=0)
+    # Once training passes step N (0 = never), wait until the file `hold_file`
+    # exists before the next step: a fault test kills a task there, while the run
+    # still needs it, then creates the file. Under a ClusterCoordinator the steps
+    # scheduled so far run on, and none is scheduled past N until then.
+    hold_at_step: int = field(0, minimum=0)
+    # The file that ends the hold of `hold_at_step`, on every task that reaches it.
+    hold_file: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +389,9 @@ def validate(config: Config) -> None:
             f"runtime.memory_limit_gib = {limit:g} is below the {MIN_MEMORY_LIMIT_GIB:g} GiB "
             "a task needs to start TensorFlow at all (app/cluster/memory.py); give at least "
             f"{MIN_MEMORY_LIMIT_GIB:g}, or 0 for no limit")
+    if config.debug.hold_at_step and not config.debug.hold_file:
+        raise ConfigError(f"debug.hold_at_step = {config.debug.hold_at_step} needs "
+                          "debug.hold_file: the file whose creation ends the hold")
     address = config.data.service.removeprefix("grpc://")
     if address and not is_address(address):
         raise ConfigError(f"data.service = {config.data.service!r} is not a dispatcher's "

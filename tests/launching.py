@@ -7,6 +7,7 @@ every run slower, never earlier or later in its own count of steps.
 
 import json
 import os
+import pathlib
 import re
 import select
 import signal
@@ -17,6 +18,8 @@ from collections.abc import Callable
 from launch.ports import Ports
 
 STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
+# How long a SIGKILLed task may take to exit before a held run is released anyway.
+EXIT_DEADLINE_S = 120
 
 
 def launch(*args: str) -> subprocess.Popen:
@@ -27,7 +30,7 @@ def launch(*args: str) -> subprocess.Popen:
 
 
 def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool], str]],
-              sig: int = signal.SIGKILL) -> tuple[str, int]:
+              sig: int = signal.SIGKILL, release: pathlib.Path | None = None) -> tuple[str, int]:
     """Read the launcher's output to the end; send `sig` to each (trigger, victim) of
     `plan`'s victim (e.g. "worker:1", or "launch": the launcher itself) at the first
     line for which its trigger is true. (all output, how many were sent)
@@ -37,6 +40,10 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
     while it runs: `kill` on a task that has exited but is not yet reaped succeeds
     and leaves its exit code 0, as if the signal had been shrugged off. Such a signal
     is not counted, and a line at the end of the output says so.
+
+    `release`: the run's `debug.hold_file`, created once every signal of `plan` was
+    sent and each task it went to has exited (or the output ended): the run held at
+    the step that triggered them (`debug.hold_at_step`) goes on without that task.
     """
     lines, due, missed = [], list(plan), []
     tasks = {"launch": os.pidfd_open(launcher.pid)}
@@ -55,7 +62,13 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
                                   f"was sent, at: {line}")
                 else:
                     signal.pidfd_send_signal(task, sig)
+                    if release:
+                        select.select([task], [], [], EXIT_DEADLINE_S)  # until it exits
+            if release and not due and not release.exists():
+                release.touch()
     finally:
+        if release:
+            release.touch()  # never leave a run held
         for fd in tasks.values():
             if fd is not None:
                 os.close(fd)
@@ -81,10 +94,11 @@ def task_pidfd(pid: int, launcher: int) -> int | None:
 
 
 def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
-                sig: int = signal.SIGKILL) -> tuple[str, bool]:
+                sig: int = signal.SIGKILL, release: pathlib.Path | None = None
+                ) -> tuple[str, bool]:
     """Send `sig` to task `victim` at the first line for which `trigger` is true; see
     `signal_on`. (all output, whether sent)"""
-    output, sent = signal_on(launcher, [(trigger, victim)], sig)
+    output, sent = signal_on(launcher, [(trigger, victim)], sig, release)
     return output, bool(sent)
 
 
@@ -102,9 +116,11 @@ def reached(reporter: str, step: int) -> Callable[[str], bool]:
 
 
 def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim: str,
-                   sig: int = signal.SIGKILL) -> tuple[str, bool]:
-    """Send `sig` to `victim` once task `reporter` has logged step `step` or later."""
-    return signal_when(launcher, reached(reporter, step), victim, sig)
+                   sig: int = signal.SIGKILL, release: pathlib.Path | None = None
+                   ) -> tuple[str, bool]:
+    """Send `sig` to `victim` once task `reporter` has logged step `step` or later;
+    `release`: see `signal_on`."""
+    return signal_when(launcher, reached(reporter, step), victim, sig, release)
 
 
 def signal_at_steps(launcher: subprocess.Popen, reporter: str, victims: dict[int, str],

@@ -53,6 +53,8 @@ def test_round_trip_through_written_toml(tmp_path):
     ("runtime.memory_limit_gib=0.5", "runtime.memory_limit_gib = 0.5 is below the 1 GiB a task "
      "needs to start TensorFlow at all (app/cluster/memory.py); give at least 1, or 0 for "
      "no limit"),
+    ("debug.hold_at_step=5", "debug.hold_at_step = 5 needs debug.hold_file: the file whose "
+     "creation ends the hold"),
 ])
 def test_bad_overrides_name_the_field_and_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:

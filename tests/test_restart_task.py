@@ -17,13 +17,26 @@ pytestmark = pytest.mark.slow
 
 def run_and_kill(tmp_path, victim: str, at_step: int, *args: str) -> tuple[str, dict]:
     """SIGKILL `victim` once the chief reports `at_step`; --restart task lets each task
-    be relaunched 3 times unless `args` say otherwise."""
+    be relaunched 3 times unless `args` say otherwise.
+
+    The chief schedules steps ahead of the worker: by the time a loaded test reads
+    "step 113", the worker may have run every step and the chief no longer need the
+    ps. So the chief holds there until the victim is dead (debug.hold_at_step)."""
+    release = tmp_path / "release"
     launcher = launching.launch("--workers", "1", "--ps", "2", "--restart", "task", *SMALL,
-                                "--set", "task.model=mlp", *args,
+                                "--set", "task.model=mlp",
+                                "--set", f"debug.hold_at_step={at_step}",
+                                "--set", f"debug.hold_file={release}", *args,
                                 "--workdir", str(tmp_path / "run"))
-    output, killed = launching.signal_at_step(launcher, "chief:0", at_step, victim)
+    output, killed = launching.signal_at_step(launcher, "chief:0", at_step, victim,
+                                              release=release)
     launcher.wait(timeout=60)
     assert killed and launcher.returncode == 0, output[-4000:]
+    # The chief held at that step; signal_at_step released it once the victim had
+    # exited (the launcher may say so later). A killed chief, restarted, holds no more.
+    held = output.index(f"[chief:0] INFO holding at step {at_step} until")
+    released = output.find("[chief:0] INFO hold released")
+    assert released == -1 if victim == "chief:0" else held < released, output[-4000:]
     # The signal ended the task it was sent to, while it ran.
     assert f"[launch] {victim} exited with -9" in output, output[-4000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())

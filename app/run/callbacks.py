@@ -19,6 +19,9 @@ from app.state.workdir import BACKUP_DIR, CHECKPOINT_DIR, HISTORY_FILE, write_js
 
 log = logging.getLogger(__name__)
 
+# How often a held run (debug.hold_at_step) looks for its release file.
+HOLD_POLL_S = 0.05
+
 
 class Callback:
     """A callback both Kerases' CallbackLists take: the hooks of `keras.callbacks.Callback`
@@ -88,7 +91,8 @@ def for_training(config: Config, workdir: pathlib.Path, outdir: pathlib.Path,
         *([dialect.backup(backup_dir, config.checkpoint.every_steps)] if resumable else []),
         EpochCheckpoint(model, outdir / CHECKPOINT_DIR, keep=config.checkpoint.keep),
         dialect.tensorboard(outdir / "tensorboard"),
-        *([StepLog(every)] if every else []),
+        *([StepLog(every, config.debug.hold_at_step, config.debug.hold_file)]
+          if every or config.debug.hold_at_step else []),
     ]
     return cbs
 
@@ -145,14 +149,19 @@ class HistoryRecord(Callback):
 
 
 class StepLog(Callback):
-    """Logs `step S` every `every` steps, S counted from the run's first step
-    (a resumed run goes on counting); under a ClusterCoordinator, steps
-    scheduled. The fault tests kill a task at a step read from it."""
+    """Logs `step S` every `every` steps (0 = never), S counted from the run's
+    first step (a resumed run goes on counting); under a ClusterCoordinator,
+    steps scheduled. The fault tests kill a task at a step read from it.
 
-    def __init__(self, every: int):
+    Past step `hold_at` (0 = never), it waits until the file `hold_file` exists:
+    under a ClusterCoordinator the chief schedules steps far ahead of the workers,
+    so a task killed at a logged step may be killed after the run needed it last.
+    """
+
+    def __init__(self, every: int, hold_at: int = 0, hold_file: str = ""):
         super().__init__()
         self._supports_tf_logs = True  # batch hooks under ParameterServerStrategy
-        self.every = every
+        self.every, self.hold_at, self.hold_file = every, hold_at, pathlib.Path(hold_file)
         self._epoch = self._begin = 0
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -164,8 +173,14 @@ class StepLog(Callback):
     def on_train_batch_end(self, batch, logs=None):
         before = self._epoch * self.params["steps"] + self._begin
         after = self._epoch * self.params["steps"] + batch + 1
-        if after // self.every > before // self.every:
+        if self.every and after // self.every > before // self.every:
             log.info("step %d", after)
+        if before < self.hold_at <= after and not self.hold_file.exists():
+            log.info("holding at step %d until %s exists (debug.hold_file)", after,
+                     self.hold_file)
+            while not self.hold_file.exists():
+                time.sleep(HOLD_POLL_S)
+            log.info("hold released")
 
 
 class Throughput(Callback):
