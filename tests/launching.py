@@ -102,6 +102,16 @@ def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], vict
     return output, bool(sent)
 
 
+def hold(step: int, release: pathlib.Path) -> tuple[str, ...]:
+    """The `--set`s that hold a run's training tasks past `step` until `release` exists
+    (`debug.hold_at_step`): pass `release` to `signal_on`, which creates it once the
+    tasks it signalled have exited. Under parameter servers the chief logs the steps it
+    schedules, ahead of the workers, so a kill read from its log may otherwise land
+    after the run last needed the task, or after the run ended. Not for SIGTERM: a
+    held task does not reach the step end where it would save and stop."""
+    return ("--set", f"debug.hold_at_step={step}", "--set", f"debug.hold_file={release}")
+
+
 def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[str, bool]:
     """SIGKILL `victim` at the first line starting with `prefix`; see `signal_when`."""
     return signal_when(launcher, lambda line: line.startswith(prefix), victim)
@@ -124,11 +134,12 @@ def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim:
 
 
 def signal_at_steps(launcher: subprocess.Popen, reporter: str, victims: dict[int, str],
-                    sig: int = signal.SIGKILL) -> tuple[str, int]:
+                    sig: int = signal.SIGKILL, release: pathlib.Path | None = None
+                    ) -> tuple[str, int]:
     """Send `sig` to each of `victims` ({step: task}) once task `reporter` has logged
-    that step or later. (all output, how many were sent)"""
+    that step or later; `release`: see `signal_on`. (all output, how many were sent)"""
     return signal_on(launcher, [(reached(reporter, step), victim)
-                                for step, victim in sorted(victims.items())], sig)
+                                for step, victim in sorted(victims.items())], sig, release)
 
 
 def steps_reported(output: str, task: str) -> list[int]:

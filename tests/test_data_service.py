@@ -102,9 +102,10 @@ def test_killed_tasks_lose_only_their_batches_in_flight_and_repeat_none(tmp_path
         "--workdir", str(tmp_path / "run"), "--set", "task.name=tests.numbered:Numbered",
         "--set", f"task.examples={EXAMPLES}", "--set", "train.epochs=1",
         "--set", f"train.global_batch_size={BATCH}", "--set", "train.verbose=0",
-        "--set", "debug.log_every_steps=50")
+        "--set", "debug.log_every_steps=50", *launching.hold(500, tmp_path / "release"))
     output, killed = launching.signal_at_steps(launcher, "chief:0",
-                                               {200: "worker:1", 500: "data_worker:0"})
+                                               {200: "worker:1", 500: "data_worker:0"},
+                                               release=tmp_path / "release")
     launcher.wait(timeout=60)
     assert killed == 2 and launcher.returncode == 0, output[-4000:]
     for victim in ("worker:1", "data_worker:0"):

@@ -41,11 +41,14 @@ def visits(workdir, window: int = 0) -> dict:
 
 def test_parameter_servers_lose_and_repeat_nothing_when_a_worker_and_the_chief_die(tmp_path):
     # 4 steps a closure (train.steps_per_execution): a closure run again runs its 4.
+    release = tmp_path / "release"  # the chief holds at 150 until both are dead
     launcher = launching.launch(*numbered(tmp_path / "run", "--workers", "2", "--ps", "1",
                                           "--restart", "task"),
-                                "--set", f"train.steps_per_execution={CLOSURE}")
+                                "--set", f"train.steps_per_execution={CLOSURE}",
+                                *launching.hold(150, release))
     output, killed = launching.signal_at_steps(launcher, "chief:0",
-                                               {60: "worker:1", 150: "chief:0"})
+                                               {60: "worker:1", 150: "chief:0"},
+                                               release=release)
     launcher.wait(timeout=120)
     assert killed == 2 and launcher.returncode == 0, output[-4000:]
     assert "[launch] restart 1 of 3: chief:0 alone" in output

@@ -28,9 +28,10 @@ def test_training_survives_a_worker_killed_mid_epoch(tmp_path):
         "--set", "task.test_examples=500", "--set", "train.epochs=2",
         "--set", "train.verbose=2", "--set", "debug.log_every_steps=10",
         "--set", "task.model=mlp",  # what is tested is the cluster, not the model
-        "--workdir", str(workdir))
+        *launching.hold(40, tmp_path / "release"), "--workdir", str(workdir))
     # At step 40 (scheduled) of the first epoch's 171: well inside it.
-    output, killed = launching.signal_at_step(launcher, "chief:0", 40, "worker:1")
+    output, killed = launching.signal_at_step(launcher, "chief:0", 40, "worker:1",
+                                              release=tmp_path / "release")
     code = launcher.wait(timeout=60)
     assert killed, output[-3000:]
     assert code == 0, output[-3000:]

@@ -19,14 +19,13 @@ def run_and_kill(tmp_path, victim: str, at_step: int, *args: str) -> tuple[str, 
     """SIGKILL `victim` once the chief reports `at_step`; --restart task lets each task
     be relaunched 3 times unless `args` say otherwise.
 
-    The chief schedules steps ahead of the worker: by the time a loaded test reads
-    "step 113", the worker may have run every step and the chief no longer need the
-    ps. So the chief holds there until the victim is dead (debug.hold_at_step)."""
+    The chief holds there until the victim is dead (`launching.hold`): in CI a loaded
+    test once read "step 113" after the worker had run every step, and the ps it
+    killed was needed no more."""
     release = tmp_path / "release"
     launcher = launching.launch("--workers", "1", "--ps", "2", "--restart", "task", *SMALL,
-                                "--set", "task.model=mlp",
-                                "--set", f"debug.hold_at_step={at_step}",
-                                "--set", f"debug.hold_file={release}", *args,
+                                "--set", "task.model=mlp", *launching.hold(at_step, release),
+                                *args,
                                 "--workdir", str(tmp_path / "run"))
     output, killed = launching.signal_at_step(launcher, "chief:0", at_step, victim,
                                               release=release)
