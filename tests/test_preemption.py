@@ -5,6 +5,7 @@ covers every epoch. The same on a parameter-server cluster: test_resume_ps.py.""
 import json
 import logging
 import signal
+import threading
 import types
 
 import pytest
@@ -165,6 +166,45 @@ def test_step_log_counts_from_the_runs_start_across_epochs(caplog):
             log.on_train_batch_end(end)
     # Steps 10 to 16 were run; a call that passes a multiple of 5 logs the count it reached.
     assert [r.getMessage() for r in caplog.records] == ["step 11", "step 15"]
+
+
+def test_step_log_holds_past_its_step_until_the_file_exists(tmp_path):
+    release = tmp_path / "release"
+    log = callbacks.StepLog(every=1, hold_at=3, hold_file=str(release))
+    log.set_params({"steps": 10})
+    messages, holding = [], threading.Event()
+
+    class Record(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+            if record.getMessage().startswith("holding"):
+                holding.set()
+
+    logger = logging.getLogger("app.run.callbacks")
+    handler, level = Record(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+    def train():
+        log.on_epoch_begin(0)
+        for batch in range(5):
+            log.on_train_batch_begin(batch)
+            log.on_train_batch_end(batch)
+
+    try:
+        steps = threading.Thread(target=train)
+        steps.start()
+        assert holding.wait(timeout=60)
+        assert steps.is_alive() and messages[-2:] == [
+            "step 3", f"holding at step 3 until {release} exists (debug.hold_file)"]
+        release.touch()
+        steps.join(timeout=60)
+        assert not steps.is_alive()
+        assert messages[-3:] == ["hold released", "step 4", "step 5"]
+    finally:
+        release.touch()
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def test_sigterm_is_a_flag_only_while_installed():

@@ -31,11 +31,6 @@ def run_and_kill(tmp_path, victim: str, at_step: int, *args: str) -> tuple[str, 
                                               release=release)
     launcher.wait(timeout=60)
     assert killed and launcher.returncode == 0, output[-4000:]
-    # The chief held at that step; signal_at_step released it once the victim had
-    # exited (the launcher may say so later). A killed chief, restarted, holds no more.
-    held = output.index(f"[chief:0] INFO holding at step {at_step} until")
-    released = output.find("[chief:0] INFO hold released")
-    assert released == -1 if victim == "chief:0" else held < released, output[-4000:]
     # The signal ended the task it was sent to, while it ran.
     assert f"[launch] {victim} exited with -9" in output, output[-4000:]
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
