@@ -54,7 +54,8 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
                 if (before := tasks.get(started[1])) is not None:  # a relaunch's
                     os.close(before)
                 tasks[started[1]] = task_pidfd(int(started[2]), launcher.pid)
-            for trigger, victim in [(t, v) for t, v in due if t(line)]:
+            fired = [(t, v) for t, v in due if t(line)]
+            for trigger, victim in fired:
                 due.remove((trigger, victim))
                 task = tasks[victim]
                 if task is None or select.select([task], [], [], 0)[0]:  # exited already
@@ -64,7 +65,7 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
                     signal.pidfd_send_signal(task, sig)
                     if release:
                         select.select([task], [], [], EXIT_DEADLINE_S)  # until it exits
-            if release and not due and not release.exists():
+            if release and fired and not due:
                 release.touch()
     finally:
         if release:
