@@ -99,7 +99,7 @@ def create(name: str, cluster: Cluster | None = None,
         gpus = tf.config.list_logical_devices("GPU")
         devices = [d.name for d in gpus or tf.config.list_logical_devices("CPU")]
         log.info("MirroredStrategy over %s", ", ".join(devices))
-        tf_internal.new_collective_keys(tf.distribute.MirroredStrategy)
+        tf_internal.new_collective_keys()
         return tf.distribute.MirroredStrategy(devices)
     if choice == "parameter_server":
         return parameter_server(cluster, config.ps, config.cluster.connect_timeout_s)

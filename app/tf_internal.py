@@ -61,11 +61,11 @@ def distribute_per_replica(strategy, dataset_fn, options):
         [extended._make_input_context()], strategy, options)
 
 
-def new_collective_keys(strategy_class) -> None:
-    """Make the next `strategy_class` (a MirroredStrategy) of this process number
-    its collective ops from keys no earlier one used (TF 2.21 mirrored_strategy.py,
+def new_collective_keys() -> None:
+    """Make the next MirroredStrategy of this process number its collective ops
+    from keys no earlier one used (TF 2.21 mirrored_strategy.py,
     `_make_collective_ops_with_fallbacks`)."""
-    strategy_class._collective_key_base += 100_000
+    tf.distribute.MirroredStrategy._collective_key_base += 100_000
 
 
 def sleep(microseconds: tf.Tensor) -> tf.Tensor:
