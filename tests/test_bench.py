@@ -1,4 +1,6 @@
 import json
+import pathlib
+import sys
 
 import pytest
 
@@ -89,6 +91,24 @@ def test_a_linked_runs_bytes_are_read_from_its_log_and_given_per_step():
            "link_mib": carried}
     results = bench.summarize({"ps_2w2p": [run, {**run, "steps": 200}, run]})
     assert results["ps_2w2p"]["link_mib_per_step"]["worker:0"] == [8.503, 0.12]
+    assert results["ps_2w2p"]["link_mib"]["worker:0"] == [850.3, 12.0]  # the whole run's
+
+
+def test_a_steps_cost_is_the_difference_of_two_runs_over_their_steps():
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "experiments"))
+    import per_step
+
+    short = {"cpu_seconds": {"worker": 10.0, "ps": 2.0},
+             "link_mib": {"worker:0": [100.0, 50.0], "ps:0": [25.0, 75.0]}}
+    long = {"cpu_seconds": {"worker": 30.0, "ps": 6.0},
+            "link_mib": {"worker:0": [300.0, 150.0], "ps:0": [75.0, 225.0]}}
+    cost = per_step.per_step(short, long, 200)
+    assert cost["cpu_ms_per_step"] == {"worker": 100.0, "ps": 20.0}
+    assert cost["cpu_ms_per_step_in_all"] == 120.0
+    assert cost["link_kib_per_step"] == {"worker:0": [1024.0, 512.0], "ps:0": [256.0, 768.0]}
+    assert cost["link_kib_per_step_out_of_every_task"] == 1280.0
+    assert "link_kib_per_step" not in per_step.per_step(
+        {"cpu_seconds": {"main": 1.0}}, {"cpu_seconds": {"main": 2.0}}, 10)
 
 
 def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other():
@@ -103,6 +123,13 @@ def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other()
         assert config.train.precision == cfg.Config().train.precision
         assert bench.ROWS[row].base == "defaults"
     assert "runtime.onednn=true" in bench.DEFAULTS  # what a user gets, unlike PLAIN
+    for row in ("defaults_spe8", "ps_2w2p_spe8_defaults", "mwms_2w_spe8_defaults"):
+        args = bench.row_args(row, base, gpus=0)
+        config = cfg.load("configs/mnist.toml",
+                          [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+        # The row's own setting of one of PLAIN's keys comes after the defaults, and wins.
+        assert config.train.steps_per_execution == 8, row
+        assert config.runtime == cfg.load("configs/mnist.toml").runtime
     results = bench.summarize({
         "baseline": [{"train_examples_per_sec": 400, "peak_memory_mib": 1, "num_replicas": 1}],
         "defaults": [{"train_examples_per_sec": 800, "peak_memory_mib": 1, "num_replicas": 1}],

@@ -97,8 +97,10 @@ def _project_defaults() -> tuple[str, ...]:
 DEFAULTS = _project_defaults()
 
 
-def _at_defaults(what: str, args: tuple[str, ...]) -> Row:
-    return Row(f"{what}, at the project's defaults", (*args, *_sets(*DEFAULTS)), base="defaults")
+def _at_defaults(what: str, args: tuple[str, ...], *sets: str) -> Row:
+    """`args` at the project's defaults, then `sets` (which may change one of PLAIN's)."""
+    return Row(f"{what}, at the project's defaults", (*args, *_sets(*DEFAULTS, *sets)),
+               base="defaults")
 
 
 ROWS: dict[str, Row] = {
@@ -106,9 +108,24 @@ ROWS: dict[str, Row] = {
     "defaults": _at_defaults("one process, default strategy", _BASELINE),
     "mwms_2w_defaults": _at_defaults("MultiWorkerMirrored, 2 worker processes", _ps(2, 0)),
     "ps_2w2p_defaults": _at_defaults("ParameterServer: chief + 2 workers + 2 ps", _ps(2, 2)),
+    "defaults_spe8": _at_defaults("one process, 8 steps per execution "
+                                  "(train.steps_per_execution=8)", _BASELINE,
+                                  "train.steps_per_execution=8"),
+    "ps_2w2p_spe8_defaults": _at_defaults(
+        "ParameterServer: chief + 2 workers + 2 ps, 8 steps per closure "
+        "(train.steps_per_execution=8)", _ps(2, 2), "train.steps_per_execution=8"),
+    "ps_2w2p_spe8_fp16_defaults": _at_defaults(
+        "ps_2w2p_spe8_defaults, gradients pushed as float16 (ps.compression=fp16)",
+        _ps(2, 2, "ps.compression=fp16"), "train.steps_per_execution=8"),
     "mwms_2w_fp16_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
         _ps(2, 0, "sync.compression=fp16")),
+    "mwms_2w_onepack_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes, one all-reduce after the backward pass "
+        "(sync.bytes_per_pack=0)", _ps(2, 0, "sync.bytes_per_pack=0")),
+    "mwms_2w_spe8_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes, 8 steps per execution "
+        "(train.steps_per_execution=8)", _ps(2, 0), "train.steps_per_execution=8"),
     "mwms_2w_threads2_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes of 2 intra-op threads each",
         _ps(2, 0, "runtime.intra_op_threads=2")),
@@ -423,6 +440,9 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             if key in metrics[0]:
                 results[row][key] = metrics[0][key]
         if "link_mib" in metrics[0]:  # the whole run's bytes (start, evaluation, export too)
+            results[row]["link_mib"] = {
+                task: [statistics.median(m["link_mib"][task][i] for m in metrics) for i in (0, 1)]
+                for task in metrics[0]["link_mib"]}
             results[row]["link_mib_per_step"] = {
                 task: [round(statistics.median(m["link_mib"][task][i] / m["steps"]
                                                for m in metrics), 3) for i in (0, 1)]
