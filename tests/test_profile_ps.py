@@ -37,3 +37,34 @@ def test_op_time_per_step_is_summed_by_kind_and_leaves_out_calls():
     assert figures["forward and backward"] == 3.0
     assert figures["transfers to and from other tasks"] == 3.0
     assert figures["top op types"] == {"MatMul": 3.0, "_Recv": 3.0}
+
+
+def test_the_step_is_the_last_one_logged_not_the_first_left_in_the_pipe():
+    # A backlog of step lines, as the pipe holds after the trace: the step is the last.
+    steps = profile_ps.Steps([f"[chief:0] INFO step {n}\n" for n in range(10, 310, 10)])
+    assert steps.reach(20) == 300
+    assert steps.step == 300 and len(steps.log) == 30
+    with pytest.raises(RuntimeError, match="ended before step 310"):
+        steps.reach(310)
+
+
+def test_steps_wait_for_the_step_as_it_is_logged():
+    import os
+    import threading
+
+    read, write = os.pipe()
+    lines, out = open(read), open(write, "w")
+    steps = profile_ps.Steps(lines)
+    reached = []
+    waiter = threading.Thread(target=lambda: reached.append(steps.reach(20)))
+    waiter.start()
+    print("[worker:0] INFO step 10", file=out, flush=True)
+    print("[ps:0] INFO something else", file=out, flush=True)
+    assert not reached  # step 10 is not 20
+    print("[worker:0] INFO step 20", file=out, flush=True)
+    waiter.join(timeout=60)
+    assert reached == [20]
+    out.close()
+    with pytest.raises(RuntimeError, match="ended before step 30"):
+        steps.reach(30)  # returns once the reader has seen the end
+    lines.close()

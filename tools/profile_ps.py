@@ -41,6 +41,8 @@ import re
 import signal
 import subprocess
 import sys
+import threading
+from collections.abc import Iterable
 
 from tools import bench, bench_report, procstat
 
@@ -80,12 +82,37 @@ def launch(args: argparse.Namespace) -> subprocess.Popen:
         start_new_session=True)
 
 
-def wait_for_step(launcher: subprocess.Popen, step: int, log: list[str]) -> None:
-    for line in launcher.stdout:
-        log.append(line)
-        if (m := STEP.match(line.rstrip("\n"))) and int(m[2]) >= step:
-            return
-    raise RuntimeError("the cluster ended before the trace:\n" + "".join(log[-40:]))
+class Steps:
+    """The cluster's output, read on a thread of its own as it comes: the latest step
+    the lead task logged is the one it is at now, not a line left waiting in the pipe
+    while the trace ran (which made the CPU per step a backlog's, not the steps')."""
+
+    def __init__(self, lines: Iterable[str]):
+        self.log: list[str] = []
+        self.step, self._ended = 0, False
+        self._changed = threading.Condition()
+        threading.Thread(target=self._read, args=(lines,), daemon=True).start()
+
+    def _read(self, lines: Iterable[str]) -> None:
+        for line in lines:
+            with self._changed:
+                self.log.append(line)
+                if m := STEP.match(line.rstrip("\n")):
+                    self.step = int(m[2])
+                self._changed.notify_all()
+        with self._changed:
+            self._ended = True
+            self._changed.notify_all()
+
+    def reach(self, step: int) -> int:
+        """Wait until the lead task has logged `step` or later; the step it logged last.
+        RuntimeError, with the output's end, if the cluster ends first."""
+        with self._changed:
+            self._changed.wait_for(lambda: self.step >= step or self._ended)
+            if self.step < step:
+                raise RuntimeError(f"the cluster ended before step {step}:\n"
+                                   + "".join(self.log[-40:]))
+            return self.step
 
 
 def tasks(pid: int) -> dict[str, tuple[int, str]]:
@@ -204,25 +231,15 @@ def _by_kind(evs, model: str, steps: int) -> dict[str, float]:
             "top op types": {k: round(v / per, 2) for k, v in ops.most_common(8)}}
 
 
-def cpu_per_step(launcher: subprocess.Popen, found: dict[str, tuple[int, str]], steps: int,
-                 log: list[str]) -> dict[str, float]:
-    """CPU milliseconds per step of each task, between two of the chief's step lines
-    `steps` apart (after the trace)."""
-    first = _next_step(launcher, log)
+def cpu_per_step(steps: Steps, found: dict[str, tuple[int, str]], count: int
+                 ) -> dict[str, float]:
+    """CPU milliseconds per step of each task, between two of the lead task's step
+    lines at least `count` steps apart (after the trace)."""
+    first = steps.reach(steps.step + 1)
     before = {task: _cpu(pid) for task, (pid, _) in found.items()}
-    last = first
-    while last < first + steps:
-        last = _next_step(launcher, log)
+    last = steps.reach(first + count)
     return {task: round((_cpu(pid) - before[task]) / (last - first) * 1000, 2)
             for task, (pid, _) in sorted(found.items())}
-
-
-def _next_step(launcher: subprocess.Popen, log: list[str]) -> int:
-    for line in launcher.stdout:
-        log.append(line)
-        if m := STEP.match(line.rstrip("\n")):
-            return int(m[2])
-    raise RuntimeError("the cluster ended early:\n" + "".join(log[-40:]))
 
 
 def _cpu(pid: int) -> float:
@@ -235,12 +252,13 @@ def main(argv: list[str] | None = None) -> int:
 
     config = cfg.load(args.config, [*bench.PLAIN, *args.set])
     args.workdir.mkdir(parents=True, exist_ok=True)
-    launcher, log = launch(args), []
+    launcher = launch(args)
+    steps = Steps(launcher.stdout)
     try:
-        wait_for_step(launcher, args.warmup, log)
+        steps.reach(args.warmup)
         found = tasks(launcher.pid)
         trace([found[t][1] for t in traced(found)], args.workdir / "trace", args.seconds)
-        cpu = cpu_per_step(launcher, found, args.warmup, log)
+        cpu = cpu_per_step(steps, found, args.warmup)
     finally:
         os.killpg(launcher.pid, signal.SIGKILL)  # its own session: the whole cluster
         launcher.wait()
