@@ -153,7 +153,12 @@ def test_a_chief_refusing_a_finished_workdir_ends_every_task_of_the_job(slurm, t
     workdir, out = tmp_path / "done", tmp_path / "job.out"
     workdir.mkdir()
     (workdir / "metrics.json").write_text("{}")
-    connect_timeout_s = 30
+    # How long the failed chief waits for the ps and the worker to be up to tell them
+    # (it tells each once it is up). A task up only after that finds no chief and the
+    # earlier run's metrics.json, and stops as after a finished run; a CI runner once
+    # took 36 s to start one beside three test runners. So the wait must exceed any
+    # start; the job still ends as soon as both are told.
+    connect_timeout_s = 120
     job_id = submit(slurm, out, ["--ntasks=3"],
                     ["--set", f"cluster.connect_timeout_s={connect_timeout_s}"],
                     PS="1", CONFIG="configs/mnist_ps.toml", WORKDIR=str(workdir),
