@@ -107,8 +107,10 @@ def test_each_worker_reads_its_own_shard_of_the_data(ps_strategy):
 
     def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
         pipelines.append(context.num_input_pipelines)
+        # Repeated: the coordinator may give the same worker a closure again, which
+        # then reads its own shard again rather than running out.
         return tf.data.Dataset.range(10).shard(context.num_input_pipelines,
-                                               context.input_pipeline_id).batch(10)
+                                               context.input_pipeline_id).batch(10).repeat()
 
     coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
     per_worker = coordinator.create_per_worker_dataset(
@@ -121,12 +123,14 @@ def test_each_worker_reads_its_own_shard_of_the_data(ps_strategy):
         return next(iterator)
 
     iterator = iter(per_worker)
-    # One closure per worker: each resolves the iterator to its own worker's.
+    # Each closure resolves the iterator to the worker that runs it. Which worker runs
+    # which closure is the coordinator's choice: closures are scheduled until both
+    # workers' shards have been seen.
     seen = set()
-    for _ in range(20):
-        remote = coordinator.schedule(first_batch, args=(iterator,))
+    for _ in range(50):
+        remotes = [coordinator.schedule(first_batch, args=(iterator,)) for _ in range(4)]
         coordinator.join()
-        seen.add(tuple(remote.fetch().tolist()))
+        seen.update(tuple(remote.fetch().tolist()) for remote in remotes)
         if len(seen) == 2:
             break
     assert seen == {(0, 2, 4, 6, 8), (1, 3, 5, 7, 9)}
