@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --batch {args.batch} does not split over {args.workers} workers",
               file=sys.stderr)
         return 2
+    from launch import local
     from tools import bench_report
 
-    cores = os.cpu_count() or 1
     one = child(args, args.batch, 0)
-    worker = child(args, args.batch // args.workers, max(cores // args.workers, 1))
+    worker = child(args, args.batch // args.workers, local.intra_op_threads(args.workers))
     record = {
         "command": " ".join(["python experiments/sync_parts.py",
                              *(sys.argv[1:] if argv is None else argv)]),

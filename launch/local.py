@@ -88,11 +88,15 @@ def _on_sigterm(signum, frame) -> None:
     _TERMINATED.set()
 
 
+def intra_op_threads(num_workers: int) -> int:
+    """Each task's share of this host's cores when `num_workers` workers share it."""
+    return max(1, (os.cpu_count() or 1) // num_workers)
+
+
 def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
     """`--set` thread pools so that the tasks sharing this host share its cores,
     unless the arguments already choose them."""
-    cores = os.cpu_count() or 1
-    settings = {"runtime.intra_op_threads": max(1, cores // num_workers),
+    settings = {"runtime.intra_op_threads": intra_op_threads(num_workers),
                 # Fewer than workers + 1 can deadlock a ps serving all workers at once.
                 "runtime.inter_op_threads": num_workers + 1}
     out = []
