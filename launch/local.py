@@ -186,6 +186,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
                  "stopping the others")
     code = lead.process.poll()
     others = [t for t in tasks if t is not lead]
+    finished = failed is None and code == 0 and not _TERMINATED.is_set()
     if _TERMINATED.is_set():
         announce("SIGTERM: passing it to every task (training tasks save a backup); "
                  "no restart")
@@ -193,7 +194,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
             task.stop()
         code = lead.finish()  # first: ps tasks serve the chief until it has saved
         announce(f"{lead.label} exited with {exit_text(code)}")
-    elif failed is None and code == 0:  # the others see the run end and exit by themselves
+    elif finished:  # the others see the run end and exit by themselves
         announce(f"{lead.label} exited with 0; waiting for the other tasks to finish")
         stop_data(tasks)
     else:
@@ -206,7 +207,7 @@ def run_cluster(args: argparse.Namespace, train_args: list[str]) -> tuple[int, b
         for task in tasks:
             task.stop(now)
     for task in others:
-        exited = task.finish(grace(task))
+        exited = task.finish(grace(task, lead_finished=finished))
         if task is not failed:  # announced already
             announce(f"{task.label} exited with {exit_text(exited)}")
     code = lead.finish()

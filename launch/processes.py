@@ -27,8 +27,17 @@ from app.cluster.preemption import EXIT_CODE as PREEMPTED
 from app.cluster.tf_config import TaskLost
 from app.state.workdir import ExportFailed
 
-STOP_GRACE_S = 15  # a ps/worker exits within a second or two of a finished chief
+STOP_GRACE_S = 15  # a task told to stop (SIGTERM) saves its backup within it
+# Once the lead has finished, every other task ends by itself: a ps or worker of a
+# parameter-server cluster when it sees the chief's marker, a MultiWorkerMirrored
+# worker once it has exported its own copy as the lead did (seconds, but 15 s were
+# too few on a loaded machine), an evaluator once it has evaluated the last
+# checkpoint. Only a task that has hung is stopped, after this long.
+FINISH_GRACE_S = 300
 EVALUATOR_GRACE_S = 300
+# A task's last lines are in its pipe when it exits; the copier has them out within
+# this long unless the pipe is held open by a process the task started.
+COPY_GRACE_S = 60
 # What app.train's exit codes mean. Relaunches follow any failure but 2, 5 and 6: a
 # configuration or storage mistake, a task out of its memory limit, or a model that
 # cannot be exported would fail again, where a lost task, a preemption (the backup
@@ -102,7 +111,7 @@ class Process:
                 if escalate is None:
                     raise
                 escalate()
-        self._copier.join(timeout=5)
+        self._copier.join(timeout=COPY_GRACE_S)
         return code
 
 
@@ -135,9 +144,13 @@ def exit_text(code: int) -> str:
     return f"{code} ({EXIT_CODES[code]})" if code in EXIT_CODES else str(code)
 
 
-def grace(task: Process) -> float:
-    # The evaluator may still be evaluating the last checkpoint.
-    return EVALUATOR_GRACE_S if task.job == "evaluator" else STOP_GRACE_S
+def grace(task: Process, lead_finished: bool = False) -> float:
+    """How long `task` has to exit before it is stopped: FINISH_GRACE_S once the lead
+    has finished (it ends by itself), else STOP_GRACE_S; an evaluator may still be
+    evaluating the last checkpoint."""
+    if task.job == "evaluator":
+        return EVALUATOR_GRACE_S
+    return FINISH_GRACE_S if lead_finished else STOP_GRACE_S
 
 
 def restart_alone(tasks: list[Process], lead: Process, max_restarts: int,
@@ -180,7 +193,8 @@ def restart_alone(tasks: list[Process], lead: Process, max_restarts: int,
     stop_data(tasks)
     for task in tasks:
         if task is not lead:
-            announce(f"{task.label} exited with {exit_text(task.finish(grace(task)))}")
+            code = task.finish(grace(task, lead_finished=True))
+            announce(f"{task.label} exited with {exit_text(code)}")
     return 0
 
 

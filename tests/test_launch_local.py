@@ -132,6 +132,7 @@ class FakeTask:
         self.serves_data = self.job in ("dispatcher", "data_worker")
         self.returncode = codes.pop(0) if codes else None  # None: runs until stopped
         self.process = self
+        self.graces = []  # what each finish() was given
         started.append(label)
 
     def poll(self):
@@ -145,6 +146,7 @@ class FakeTask:
             self.returncode = PREEMPTED
 
     def finish(self, grace_s=0):
+        self.graces.append(grace_s)
         return self.returncode
 
 
@@ -177,6 +179,25 @@ def test_a_tf_data_service_task_is_relaunched_alone_and_stopped_after_the_lead()
     chief.returncode = 0
     assert processes.restart_alone(running, chief, 3, threading.Event()) == 0
     assert running[0].returncode == PREEMPTED  # SIGTERM, once the chief had finished
+
+
+@pytest.mark.parametrize("lead_code, grace_s", [(0, processes.FINISH_GRACE_S),
+                                                (LOST, processes.STOP_GRACE_S)])
+def test_after_a_finished_lead_the_others_have_minutes_to_end_by_themselves(monkeypatch,
+                                                                            lead_code, grace_s):
+    """A MultiWorkerMirrored worker exports its copy as the lead did: on a loaded machine
+    it was still exporting 15 s after the lead had exited, and was stopped before its
+    last lines. Only a task told to stop has STOP_GRACE_S to save and go."""
+    seen = []
+    worker0, worker1 = FakeTask("worker:0", [lead_code], seen), FakeTask("worker:1", [0], seen)
+    monkeypatch.setattr(local, "start_tasks", lambda args, train_args: ([worker0, worker1], None))
+    args, _ = local.parse_args(["--workers", "2", "--ps", "0", "--workdir", "unused"])
+    assert local.run_cluster(args, []) == (lead_code, False)
+    assert worker1.graces == [grace_s]
+    # Under --restart task too, once the chief has finished.
+    chief, ps = FakeTask("chief:0", [0], seen), FakeTask("ps:0", [None], seen)
+    assert processes.restart_alone([ps, chief], chief, 3, threading.Event()) == 0
+    assert ps.graces == [processes.FINISH_GRACE_S]
 
 
 def test_restart_alone_does_not_retry_a_configuration_error():

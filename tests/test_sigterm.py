@@ -79,6 +79,7 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(kera
     assert signalled_at <= resumed_from < 3 * steps, resumed_from
     assert "[worker:0] Epoch 1/3" not in after
     digests = dict(re.findall(r"\[(worker:\d)\] INFO weights sha256 (\w+)", after))
+    assert "[launch] worker:1 exited with 0" in after, after[-4000:]
     assert len(digests) == 2 and len(set(digests.values())) == 1, digests  # identical weights
     metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert metrics["steps"] == 3 * steps
