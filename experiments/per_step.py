@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from tools import bench  # noqa: E402
+from tools import bench, bench_report  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -97,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
               "date": datetime.date.today().isoformat(),
               "load_average": [short["load_average_before"], long["load_average_after"]],
               "steps": [args.short, args.long], "rows": rows}
-    text = json.dumps(record, indent=2) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text, end="")
+    bench_report.emit(record, args.out)
     return 0
 
 

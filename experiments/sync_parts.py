@@ -131,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
             "one_worker": {**worker, "in_all": round(sum(worker.values()), 2)},
             "workers_in_all": round(args.workers * sum(worker.values()), 2)},
     }
-    text = json.dumps(record, indent=2) + "\n"
-    if args.out:
-        args.out.write_text(text)
-    print(text, end="")
+    bench_report.emit(record, args.out)
     return 0
 
 

@@ -272,3 +272,12 @@ def test_a_saved_report_is_printed_and_drawn_again(tmp_path, capsys):
     (tmp_path / "other.json").write_text("{}")
     assert bench_report.main([str(tmp_path / "other.json")]) == 2
     assert "not a report tools.bench wrote (KeyError" in capsys.readouterr().err
+
+
+def test_a_record_is_printed_and_written_where_asked(tmp_path, capsys):
+    out = tmp_path / "results" / "record.json"  # its folder made
+    bench_report.emit({"command": "python -m tools.x", "rows": {"a": 1.5}}, out)
+    printed = capsys.readouterr().out
+    assert printed == out.read_text() and json.loads(printed)["rows"] == {"a": 1.5}
+    bench_report.emit({"rows": {}}, None)
+    assert json.loads(capsys.readouterr().out) == {"rows": {}}

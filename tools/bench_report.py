@@ -161,6 +161,16 @@ def machine() -> dict[str, str | int]:
             "gpu": ", ".join(gpus) or "none"}
 
 
+def emit(record: dict, out: pathlib.Path | None) -> None:
+    """Print a measurement's `record` as JSON and, given `out`, write it there too (the
+    records under docs/results/)."""
+    text = json.dumps(record, indent=2) + "\n"
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    print(text, end="")
+
+
 def title(command: str, host: dict) -> str:
     """A chart's title: the command, wrapped, and the machine."""
     return (textwrap.fill(command, 110)  # a sweep's command outruns the figure's width

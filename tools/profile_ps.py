@@ -269,11 +269,7 @@ def main(argv: list[str] | None = None) -> int:
                                    *(sys.argv[1:] if argv is None else argv)]),
               "date": datetime.date.today().isoformat(), "machine": bench_report.machine(),
               "load_average": [round(x, 2) for x in os.getloadavg()], **figures}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    bench_report.emit(report, args.out)
     return 0
 
 
