@@ -156,6 +156,21 @@ def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
     assert "error: benchmark run failed: mirrored_1dev" in capsys.readouterr().err
 
 
+def test_only_the_rows_ratios_are_to_run_beside_the_rows_asked(tmp_path, monkeypatch):
+    ran = []
+
+    def measure(args, workdir):
+        ran.append(args)
+        return {"train_examples_per_sec": 500.0, "peak_memory_mib": 900.0, "num_replicas": 1}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main(["--rows", "ps_2w2p_defaults", "--repeats", "1",
+                       "--workdir", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert list(report["rows"]) == ["defaults", "ps_2w2p_defaults"] and len(ran) == 2
+    assert report["rows"]["ps_2w2p_defaults"]["ratio_to"] == "defaults"
+
+
 def test_chart_draws_ratios_and_ps_bytes(tmp_path):
     pytest.importorskip("matplotlib")
     results = {"baseline": {"ratio": 1.0}, "ps_2w2p": {"ratio": 0.5, "ps_bytes": [10, 12]}}

@@ -14,7 +14,8 @@ Every row starts from the plain settings (TensorFlow's own CPU kernels and
 CPU allocator, float32, no XLA, one step per execution), so that a speed
 switch shows up only in the row that turns it on. The `*defaults` rows run
 at the project's defaults instead, what a user gets, and their ratio is to
-the single process at those defaults (the `defaults` row).
+the single process at those defaults (the `defaults` row). The row each ratio is to
+runs first, whether asked for or not, and no other.
 
     python -m tools.bench --steps 300 --workdir runs/bench   # or: make bench
 
@@ -48,13 +49,14 @@ from tools import bench_report, procstat
 
 _TRAIN = ("-m", "app.train")
 _LOCAL = ("-m", "launch.local")  # one process per task, see launch/local.py
+BASELINE = "baseline"
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
     what: str
     args: tuple[str, ...]
-    base: str = "baseline"  # the row its ratio is to, measured in the same invocation
+    base: str = BASELINE  # the row its ratio is to, measured in the same invocation
 
 
 def _ps(workers: int, ps: int, *sets: str) -> tuple[str, ...]:
@@ -216,7 +218,6 @@ ROWS: dict[str, Row] = {
                          ("mwms_2w", _ps(2, 0)), ("ps_2w2p", _ps(2, 2)),
                          ("keras3_ps_2w2p", _ps(2, 2, "task.keras=keras")))},
 }
-BASELINE = "baseline"
 DEFAULT_ROWS = ("baseline", "defaults", "mwms_2w_defaults", "ps_2w2p_defaults",
                 "onednn", "bfc", "spe8", "xla", "mirrored_1dev", "mirrored_2dev",
                 "mwms_2w", "mwms_2w_onepack", "mwms_2w_fp16", "ps_2w1p", "ps_2w2p", "ps_2w2p_rr")
@@ -468,8 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"error: --rows: unknown row(s) {unknown}; rows are {list(ROWS)}", file=sys.stderr)
         return 2
-    bases = list(dict.fromkeys([BASELINE, *(ROWS[row].base for row in rows)]))
-    rows = [*bases, *(row for row in rows if row not in bases)]  # ratios need them first
+    # The rows the ratios are to, first; no other (the `*_defaults` rows' is `defaults`).
+    bases = list(dict.fromkeys(ROWS[row].base for row in rows))
+    rows = [*bases, *(row for row in rows if row not in bases)]
     try:
         links = link_list(args)
         if links != [None] and (problem := network.preflight()):
