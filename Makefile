@@ -3,18 +3,25 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
 
 .PHONY: install train test test-fast test-under-load coverage bench local-cluster slurm-packages slurm-cluster \
         slurm-cluster-stop lint docs compat clean
 
 install: $(STAMP)
 
-# Reinstall when the dependencies change.
+# Reinstall when the dependencies change. Not the bench extra (matplotlib): Keras 3
+# imports matplotlib.pyplot whenever it is installed, which costs every process that
+# imports TensorFlow 0.6 CPU s (docs/testing.md); `make bench` installs it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	$(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[bench]'
+	touch $(BENCH_STAMP)
 
 # ARGS passes extra flags, e.g. make train ARGS='--set train.epochs=1'
 train: install
@@ -49,7 +56,7 @@ test-fast: install
 	$(PY) -m pytest -m "not slow and not cluster" -n $(PARALLEL) $(XDIST) $(ARGS)
 
 # Every strategy side by side: table, runs/bench/bench.json and bench.png
-bench: install
+bench: $(BENCH_STAMP)
 	$(PY) -m tools.bench --config configs/mnist.toml --steps 300 $(ARGS)
 
 # A parameter-server cluster in one process, e.g. make local-cluster WORKERS=2 PS=2
