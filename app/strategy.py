@@ -12,14 +12,13 @@ import logging
 import tensorflow as tf
 
 from app import tf_internal
-from app.cluster.tf_config import Cluster, wait_for_tasks
+from app.cluster.tf_config import Cluster, check_strategy, wait_for_tasks
 from app.config import Config, ConfigError, PSConfig, RuntimeConfig, SyncConfig
 from app.distribute.ps.variables import partitioner
 
 log = logging.getLogger(__name__)
 
 NAMES = ("default", "mirrored", "multi_worker_mirrored", "parameter_server")
-_ONE_HOST = ("default", "mirrored")
 
 
 def configure_runtime(runtime: RuntimeConfig) -> None:
@@ -60,27 +59,13 @@ def split_cpu(n: int) -> None:
 
 def choose(name: str, cluster: Cluster | None, num_gpus: int) -> str:
     """The strategy to build for `name` ("auto" or one of NAMES) in this setting."""
-    multi_task = cluster is not None and cluster.is_multi_task
-    has_ps = cluster is not None and cluster.num_ps > 0
     if name == "auto":
-        if has_ps:
+        if cluster is not None and cluster.num_ps > 0:
             return "parameter_server"
-        if multi_task:
+        if cluster is not None and cluster.is_multi_task:
             return "multi_worker_mirrored"
         return "mirrored" if num_gpus >= 2 else "default"
-    if name in _ONE_HOST and multi_task:
-        raise ConfigError(
-            f"--strategy {name} trains on one host, but TF_CONFIG describes a cluster "
-            f"({_shape(cluster)}); unset TF_CONFIG, or use --strategy auto")
-    if name == "multi_worker_mirrored" and has_ps:
-        raise ConfigError(
-            f"--strategy multi_worker_mirrored has no parameter servers, but TF_CONFIG "
-            f"lists {cluster.num_ps} 'ps' task(s); remove the 'ps' job, or use "
-            "--strategy parameter_server")
-    if name == "parameter_server" and not has_ps:
-        raise ConfigError(
-            "--strategy parameter_server needs TF_CONFIG with 'chief', 'worker' and 'ps' "
-            "jobs (see docs/launching.md)")
+    check_strategy(name, cluster)
     if name in NAMES:
         return name
     raise ConfigError(f"Unrecognized strategy {name!r}; choose auto or one of {', '.join(NAMES)}")
@@ -197,9 +182,3 @@ def check_batch(global_batch_size: int, num_replicas: int,
             f"train.global_batch_size ({global_batch_size}) must be divisible by "
             f"{what} ({num_replicas}); use {options}")
     return global_batch_size // num_replicas
-
-
-def _shape(cluster: Cluster | None) -> str:
-    if cluster is None:
-        return "none"
-    return ", ".join(f"{len(a)} {job}" for job, a in cluster.training_jobs.items())

@@ -190,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(label)
         limit_memory(config.runtime, label)
         task = role(cluster)
+        if task == "train":
+            clusters.check_strategy(config.runtime.strategy, cluster)
         if task == "evaluate":
             if args.workdir is None:
                 raise cfg.ConfigError(

@@ -97,14 +97,20 @@ def test_bad_input_exits_2_with_one_line(tmp_path, args, tf_config, message):
 
 
 def test_an_unknown_task_or_strategy_is_named_before_tensorflow_starts():
-    # TensorFlow takes seconds to import (16 on a loaded machine): a typo is named first.
-    for args in (["--set", "task.name=mnsit"], ["--strategy", "mirrorred"]):
+    # TensorFlow takes seconds to import (16 on a loaded machine): a typo, or a
+    # strategy the cluster cannot run, is named first.
+    two_workers = json.dumps({"cluster": {"worker": ["a:1", "b:1"]},
+                              "task": {"type": "worker", "index": 0}})
+    for args, tf_config in ((["--set", "task.name=mnsit"], None),
+                            (["--strategy", "mirrorred"], None),
+                            (["--strategy", "mirrored"], two_workers)):
+        env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
         result = subprocess.run(
             [sys.executable, "-c", "import sys\nfrom app import train\n"
              f"code = train.main({args!r})\n"
              "print(code, 'tensorflow' in sys.modules)"],
             capture_output=True, text=True, timeout=120,
-            env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"})
+            env=env | ({"TF_CONFIG": tf_config} if tf_config else {}))
         assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
 
 

@@ -93,6 +93,38 @@ class Cluster:
             task_id=self.task_index, rpc_layer=self.rpc_layer)
 
 
+# The strategies that train on one host, whatever TF_CONFIG says.
+ONE_HOST_STRATEGIES = ("default", "mirrored")
+
+
+def check_strategy(name: str, cluster: Cluster | None) -> None:
+    """`runtime.strategy = name` against the cluster: a ConfigError for a strategy the
+    cluster cannot run. Without TensorFlow, so that `python -m app.train` says it at
+    once; `strategy.choose` decides the rest."""
+    multi_task = cluster is not None and cluster.is_multi_task
+    has_ps = cluster is not None and cluster.num_ps > 0
+    if name in ONE_HOST_STRATEGIES and multi_task:
+        raise ConfigError(
+            f"--strategy {name} trains on one host, but TF_CONFIG describes a cluster "
+            f"({shape(cluster)}); unset TF_CONFIG, or use --strategy auto")
+    if name == "multi_worker_mirrored" and has_ps:
+        raise ConfigError(
+            f"--strategy multi_worker_mirrored has no parameter servers, but TF_CONFIG "
+            f"lists {cluster.num_ps} 'ps' task(s); remove the 'ps' job, or use "
+            "--strategy parameter_server")
+    if name == "parameter_server" and not has_ps:
+        raise ConfigError(
+            "--strategy parameter_server needs TF_CONFIG with 'chief', 'worker' and 'ps' "
+            "jobs (see docs/launching.md)")
+
+
+def shape(cluster: Cluster | None) -> str:
+    """"2 worker, 1 ps": the training jobs' sizes."""
+    if cluster is None:
+        return "none"
+    return ", ".join(f"{len(a)} {job}" for job, a in cluster.training_jobs.items())
+
+
 def lost_ps(message: str, ps: typing.Sequence[str]) -> str:
     """Name the ps tasks a TensorFlow error message blames, with their `ps` addresses."""
     return _blamed(message, {"ps": ps}) or "a parameter server"
