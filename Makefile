@@ -12,7 +12,7 @@ install: $(STAMP)
 
 # Reinstall when the dependencies change. Not the bench extra (matplotlib): Keras 3
 # imports matplotlib.pyplot whenever it is installed, which costs every process that
-# imports TensorFlow 0.6 CPU s (docs/testing.md); `make bench` installs it.
+# imports TensorFlow about 0.6 s (docs/testing.md); `make bench` installs it.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
