@@ -41,6 +41,10 @@ these, only this module breaks, and only the runs that use it:
   key base the same way (strategy_combinations.py). If it moves, `app.strategy`
   fails to create a MirroredStrategy (tests/test_strategy.py); the public way is
   one MirroredStrategy per process.
+- `is_ps_failure`: the ClusterCoordinator's own test of whether a step's error is a
+  ps task's failure, which knows how a ps restarted on its address answers. If it
+  moves, a chief whose ps came back before a step reached it exits 1 rather than
+  203 (tests/test_runners.py); there is no public way to ask.
 """
 
 from __future__ import annotations
@@ -237,3 +241,14 @@ def read_once(variables: list) -> Iterator[None]:
             yield
     finally:
         _read_once_state = None
+
+
+def is_ps_failure(error: tf.errors.OpError) -> bool:
+    """Whether the ClusterCoordinator counts `error`, raised by a step, as a ps task's
+    failure (TF 2.21 cluster_coordinator.py, `_is_ps_failure`): a ps unreachable, or
+    restarted on its address, so that it no longer knows the chief's context ("Unable
+    to find a context_id") or, once the coordinator has made that again, the tensors
+    its variables were ("Unable to find the relevant tensor remote_handle")."""
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+
+    return cluster_coordinator._is_ps_failure(error)

@@ -107,3 +107,31 @@ def test_a_lost_peer_is_named_with_its_address_and_never_the_task_itself():
                "/job:worker/replica:0/task:1 while running on /job:worker/replica:0/task:0")
     assert clusters.lost_peers(message, me) == "worker:1 (b:2)"
     assert clusters.lost_peers("Socket closed", me) == "a peer worker"
+
+
+def test_a_lost_ps_is_the_one_an_error_reached_first_not_those_that_relayed_it():
+    ps = ["h:1", "h:2"]
+    # Trimmed from a step of a run whose ps:1 was SIGKILLed and relaunched: ps:0 had been
+    # reading from ps:1, and the worker ran the step.
+    relayed = (
+        "2 root error(s) found.\n  (0) ABORTED:   RecvTensor expects a different device "
+        "incarnation: 31 vs. 17. Your worker job (\"/job:ps/replica:0/task:1\") was probably "
+        "restarted.\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:1 while calling /tensorflow.WorkerService/RecvTensor:\n"
+        "Additional GRPC error information from remote target /job:ps/replica:0/task:0/"
+        "device:CPU:0 while calling /tensorflow.eager.EagerService/RunComponentFunction:\n"
+        "  (1) ABORTED:  Unable to find a context_id matching the specified one (16).\n"
+        "Additional GRPC error information from remote target /job:ps/replica:0/task:1/"
+        "device:CPU:0 while calling /tensorflow.eager.EagerService/RunComponentFunction:\n"
+        "Additional GRPC error information from remote target /job:worker/replica:0/task:0 "
+        "while calling /tensorflow.eager.EagerService/Enqueue")
+    assert clusters.lost_ps(relayed, ps) == "ps:1 (h:2)"
+    # Two root errors, each from a ps of its own: both lost.
+    both = ("(0) UNAVAILABLE: reset\nfrom remote target /job:ps/replica:0/task:0 while "
+            "(1) UNAVAILABLE: reset\nfrom remote target /job:ps/replica:0/task:1 while")
+    assert clusters.lost_ps(both, ps) == "ps:0 (h:1), ps:1 (h:2)"
+    # No remote target: every ps the message names; none: which one is not known.
+    assert clusters.lost_ps("Socket closed. Encountered when executing an operation on "
+                            "/job:ps/replica:0/task:0/device:CPU:0", ps) == "ps:0 (h:1)"
+    assert clusters.lost_ps("Socket closed", ps) == "a parameter server"
+

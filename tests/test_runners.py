@@ -131,6 +131,43 @@ def test_a_step_cancelled_behind_a_ps_that_failed_is_that_ps_lost(tmp_path):
                                       "training stopped (exit code 203). Restart it")
 
 
+# What a step got from a ps that was SIGKILLed and relaunched on its port while no step
+# ran: the new process answers without the run's context, or, once the coordinator has
+# made that again (after a worker failure), without the tensors of its variables.
+RPC_FROM_PS1 = ("\nAdditional GRPC error information from remote target "
+                "/job:ps/replica:0/task:1/device:CPU:0 while calling "
+                "/tensorflow.eager.EagerService/RunComponentFunction")
+RESTARTED = [
+    tf.errors.AbortedError(None, None, "Unable to find a context_id matching the specified one "
+                           "(62736). Perhaps the worker was restarted, or the context was "
+                           "GC'd?" + RPC_FROM_PS1),
+    tf.errors.InvalidArgumentError(None, None, "Unable to find the relevant tensor remote_handle: "
+                                   "Op ID: 5, Output num: 0." + RPC_FROM_PS1),
+]
+
+
+@pytest.mark.parametrize("restarted", RESTARTED, ids=["context", "tensors"])
+@pytest.mark.parametrize("cancelled_behind", [False, True], ids=["raised", "kept"])
+def test_a_ps_restarted_before_a_step_reached_it_is_that_ps_lost(tmp_path, restarted,
+                                                                  cancelled_behind):
+    chief = ps_chief(Coordinator(restarted if cancelled_behind else None))
+    with pytest.raises(clusters.TaskLost) as lost:
+        with runners.AsyncPS.guard(chief, tmp_path):
+            raise CANCELLED if cancelled_behind else restarted
+    assert str(lost.value).startswith("parameter server ps:1 (localhost:4) failed or was "
+                                      "restarted: its variables are gone; training stopped "
+                                      "(exit code 203)")
+
+
+def test_an_error_of_the_step_itself_is_not_a_ps_lost(tmp_path):
+    # Named after a ps, but not as TensorFlow names a ps that failed: the task's own.
+    own = tf.errors.AbortedError(None, None, "/job:ps/replica:0/task:1: the task's own abort")
+    with pytest.raises(tf.errors.AbortedError, match="the task's own abort") as raised:
+        with runners.AsyncPS.guard(ps_chief(Coordinator()), tmp_path):
+            raise own
+    assert raised.value is own and raised.value.__cause__ is None
+
+
 def test_steps_cancelled_with_no_other_error_are_a_lost_connection_not_a_failure(tmp_path):
     with pytest.raises(clusters.TaskLost) as lost:
         with runners.AsyncPS.guard(ps_chief(Coordinator()), tmp_path):

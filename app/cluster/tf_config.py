@@ -125,9 +125,21 @@ def shape(cluster: Cluster | None) -> str:
     return ", ".join(f"{len(a)} {job}" for job, a in cluster.training_jobs.items())
 
 
+# Where TensorFlow names the task whose answer an error came in (grpc_util.h).
+_REMOTE_PS = r"remote target (/job:ps/replica:0/task:\d+)"
+
+
 def lost_ps(message: str, ps: typing.Sequence[str]) -> str:
-    """Name the ps tasks a TensorFlow error message blames, with their `ps` addresses."""
-    return _blamed(message, {"ps": ps}) or "a parameter server"
+    """Name the ps tasks a TensorFlow error message blames, with their `ps` addresses.
+
+    A step's error names every task it passed through, the one that failed first:
+    "(0) UNAVAILABLE: ... from remote target /job:ps/replica:0/task:1 while calling
+    RecvTensor ... from remote target /job:ps/replica:0/task:0 ..." is ps:1 lost, and
+    ps:0, which was reading from it, relayed the error. So each root error blames the
+    first ps it names as a remote target; a message without one, every ps it names."""
+    roots = re.split(r"\(\d+\) [A-Z_]+: ", message)  # "2 root error(s) found. (0) ABORTED: ..."
+    first = [m[1] for root in roots if (m := re.search(_REMOTE_PS, root))]
+    return _blamed(" ".join(first) if first else message, {"ps": ps}) or "a parameter server"
 
 
 def lost_peers(message: str, cluster: Cluster) -> str:

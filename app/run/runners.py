@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from app import dialects, indexed
+from app import dialects, indexed, tf_internal
 from app import strategy as strategies
 from app.cluster import markers, memory
 from app.cluster.tf_config import TaskLost, lost_peers, lost_ps
@@ -333,7 +333,7 @@ class AsyncPS(SingleHost):
     def guard(self, workdir):
         try:
             yield
-        except (tf.errors.UnavailableError, tf.errors.CancelledError) as e:
+        except tf.errors.OpError as e:
             # tf_keras' fit may raise a step cancelled behind the one that failed.
             failure = coordinated.failure_behind(self.coordinator, e)
             if isinstance(failure, tf.errors.UnavailableError):
@@ -342,6 +342,13 @@ class AsyncPS(SingleHost):
                 raise TaskLost(
                     f"parameter server {lost_ps(failure.message, self.cluster.jobs['ps'])} "
                     f"became unreachable; {_stopped(workdir)}") from None
+            if isinstance(failure, tf.errors.OpError) and tf_internal.is_ps_failure(failure):
+                # A ps restarted on its address (a pod restarts in seconds) before a step
+                # reached it answers, but without the variables it held.
+                raise TaskLost(
+                    f"parameter server {lost_ps(failure.message, self.cluster.jobs['ps'])} "
+                    f"failed or was restarted: its variables are gone; {_stopped(workdir)}"
+                ) from None
             if isinstance(failure, tf.errors.CancelledError):
                 # No other error kept: TensorFlow cancels steps when a connection between
                 # the tasks fails mid-step. A network partition is transient: a retry,
@@ -351,6 +358,8 @@ class AsyncPS(SingleHost):
                     f"TensorFlow's ClusterCoordinator cancelled the training steps ({said}), "
                     "as it does when a connection between the tasks fails; "
                     f"{_stopped(workdir)}") from None
+            if failure is e:
+                raise
             raise failure from e
 
     def build(self, task, make_optimizer):
