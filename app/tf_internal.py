@@ -251,4 +251,5 @@ def is_ps_failure(error: tf.errors.OpError) -> bool:
     its variables were ("Unable to find the relevant tensor remote_handle")."""
     from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-    return cluster_coordinator._is_ps_failure(error)
+    test = getattr(cluster_coordinator, "_is_ps_failure", None)
+    return bool(test and test(error))  # moved: the error is raised as it is
