@@ -134,4 +134,3 @@ def test_a_lost_ps_is_the_one_an_error_reached_first_not_those_that_relayed_it()
     assert clusters.lost_ps("Socket closed. Encountered when executing an operation on "
                             "/job:ps/replica:0/task:0/device:CPU:0", ps) == "ps:0 (h:1)"
     assert clusters.lost_ps("Socket closed", ps) == "a parameter server"
-

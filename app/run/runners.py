@@ -336,19 +336,18 @@ class AsyncPS(SingleHost):
         except tf.errors.OpError as e:
             # tf_keras' fit may raise a step cancelled behind the one that failed.
             failure = coordinated.failure_behind(self.coordinator, e)
-            if isinstance(failure, tf.errors.UnavailableError):
-                # The coordinator stops at the first unreachable ps (its variables are
-                # gone); carrying on is impossible, waiting is pointless.
+            # The coordinator stops at the first unreachable ps (its variables are gone);
+            # carrying on is impossible, waiting is pointless. A ps restarted on its
+            # address (a pod restarts in seconds) before a step reached it answers, but
+            # without the variables it held: as lost.
+            unreachable = isinstance(failure, tf.errors.UnavailableError)
+            if unreachable or (isinstance(failure, tf.errors.OpError)
+                               and tf_internal.is_ps_failure(failure)):
+                what = ("became unreachable" if unreachable
+                        else "failed or was restarted: its variables are gone")
                 raise TaskLost(
                     f"parameter server {lost_ps(failure.message, self.cluster.jobs['ps'])} "
-                    f"became unreachable; {_stopped(workdir)}") from None
-            if isinstance(failure, tf.errors.OpError) and tf_internal.is_ps_failure(failure):
-                # A ps restarted on its address (a pod restarts in seconds) before a step
-                # reached it answers, but without the variables it held.
-                raise TaskLost(
-                    f"parameter server {lost_ps(failure.message, self.cluster.jobs['ps'])} "
-                    f"failed or was restarted: its variables are gone; {_stopped(workdir)}"
-                ) from None
+                    f"{what}; {_stopped(workdir)}") from None
             if isinstance(failure, tf.errors.CancelledError):
                 # No other error kept: TensorFlow cancels steps when a connection between
                 # the tasks fails mid-step. A network partition is transient: a retry,
