@@ -252,9 +252,9 @@ class PSConfig:
     backup_workers: int = field(0, minimum=0)
     # "fp16": each worker pushes its gradients to the ps tasks as float16, and
     # the ps casts them back to float32 for the update: half the bytes of every
-    # push (the variables are still read as float32); in sync mode the ps tasks
+    # push (the reads: read_compression); in sync mode the ps tasks
     # also hold the workers' gradients as float16, half the memory.
-    # "none": float32 both ways.
+    # "none": float32 pushes.
     compression: str = field("none", choices=("none", "fp16"))
     # In async mode, in the project's loop (a task read by index, any Keras 3 task):
     # the steps of a scheduled closure (train.steps_per_execution) read the model's
@@ -263,6 +263,12 @@ class PSConfig:
     # step's gradient is of the weights as they were up to m - 1 of the worker's own
     # updates before, beside the other workers' (docs/benchmarks.md).
     read_every: int = field(1, above=0)
+    # In async mode, in the project's loop (as read_every): "fp16": each read of the
+    # model's float32 variables crosses from the ps tasks as float16 (the ps casts, the
+    # worker casts back), half the bytes of every read; the forward and backward pass
+    # see the weights rounded to float16, and the update is applied to the float32
+    # variables on the ps tasks. No staleness beyond async's own. "none": float32.
+    read_compression: str = field("none", choices=("none", "fp16"))
 
 
 @dataclasses.dataclass(frozen=True)

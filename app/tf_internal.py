@@ -29,11 +29,12 @@ these, only this module breaks, and only the runs that use it:
   saves its slots of a table's shards. If they move, the backup of Keras 3's loop
   fails (`tests/test_resume_shards.py`). Only a partitioner makes a ShardedVariable
   publicly; a list assigned to an attribute of a `tf.Module` is wrapped so.
-- `read_once`: ParameterServerStrategy's cached variable reads
+- `variable_reads`: ParameterServerStrategy's cached variable reads
   (`distribute_utils.cache_variable_reads`, `ps_values.CachingVariable`), made to
-  read the model's variables once per closure of several steps and to keep their
-  gradients (`ps.read_every`). If they move, such closures fail to trace
-  (tests/test_steps_per_execution.py); the public way is `ps.read_every = 1`.
+  read the model's variables once per closure of several steps (`ps.read_every`) or
+  as float16 (`ps.read_compression`) and to keep their gradients. If they move, such
+  closures fail to trace (tests/test_steps_per_execution.py); the public way is
+  `ps.read_every = 1` and `ps.read_compression = "none"`.
 - `new_collective_keys`: every MirroredStrategy of a process numbers its
   collective ops from the same keys, so the second one a process trains with
   fails its first all-reduce of another shape ("Shape mismatch in the collective
@@ -164,16 +165,18 @@ def disable_op_determinism() -> None:
     config.disable_op_determinism()
 
 
-class _ReadOnce:
-    """What `read_once` keeps while a function is traced: where the closure's graph
-    is, which variables it reads once (by id), and the value read of each so far."""
+class _Reads:
+    """What `variable_reads` keeps while a function is traced: where the closure's graph
+    is, which variables it reads so (by id), whether once (`cache`, and the value read
+    of each so far) and whether as float16 (`half`)."""
 
-    def __init__(self, graph, ids: set[int]):
+    def __init__(self, graph, ids: set[int], cache: bool = True, half: bool = False):
         self.graph, self.ids, self.values = graph, ids, {}
+        self.cache, self.half = cache, half
 
 
-_read_once_state: _ReadOnce | None = None
-_tf_cached_read_value = None  # CachingVariable's own, once `read_once` replaced it
+_reads_state: _Reads | None = None
+_tf_cached_read_value = None  # CachingVariable's own, once `variable_reads` replaced it
 
 
 def _parts(variable) -> list:
@@ -183,20 +186,30 @@ def _parts(variable) -> list:
 
 
 def _cached_read_value(self):
-    """CachingVariable.cached_read_value under `read_once` (see there)."""
+    """CachingVariable.cached_read_value under `variable_reads` (see there)."""
     from tensorflow.python.eager import record
     from tensorflow.python.ops import resource_variable_ops
 
-    state = _read_once_state
+    state = _reads_state
     if state is None:  # TensorFlow's own caching scope (tf_keras' exact evaluation)
         return _tf_cached_read_value(self)
     if id(self) not in state.ids:
         return self._v.read_value()  # read as usual, every time
-    value = state.values.get(id(self))
+    value = state.values.get(id(self)) if state.cache else None
     if value is None:
-        # Made in the closure's graph, before its loop of steps: the one read.
-        with record.stop_recording(), state.graph.as_default(), tf.device("CPU:0"):
-            value = state.values[id(self)] = tf.identity(self._v.read_value())
+        # Cached: made in the closure's graph, before its loop of steps (the one read).
+        where = state.graph.as_default() if state.cache else contextlib.nullcontext()
+        with record.stop_recording(), where:
+            if state.half and self.dtype == tf.float32:
+                with tf.device(self._v.device):
+                    half = tf.cast(self._v.read_value(), tf.float16)
+                with tf.device("CPU:0"):
+                    value = tf.cast(half, tf.float32)
+            else:
+                with tf.device("CPU:0"):
+                    value = tf.identity(self._v.read_value())
+        if state.cache:
+            state.values[id(self)] = value
     # For the tapes, a read of the variable, as ResourceVariable._read_variable_op
     # records one: the gradient of the value is the variable's.
     resource_variable_ops.variable_accessed(self._v)
@@ -207,12 +220,14 @@ def _cached_read_value(self):
 
 
 @contextlib.contextmanager
-def read_once(variables: list) -> Iterator[None]:
+def variable_reads(variables: list, cache: bool = True, half: bool = False) -> Iterator[None]:
     """While a closure's function is traced within it, each of `variables` (a
     ParameterServerStrategy's, or ShardedVariables of them) that it reads whole is read
-    from its ps task once, where the function begins, and every later read in the
-    function (each step of its loop) takes that value; a gradient of such a read is
-    the variable's, and updates go to the variable on its ps task. Sparse reads
+    from its ps task: with `cache`, once, where the function begins, and every later
+    read in the function (each step of its loop) takes that value; otherwise where
+    each read is. With `half`, a float32 variable is cast to float16 on its ps task
+    and back to float32 on the worker: half the bytes cross. A gradient of such a read
+    is the variable's, and updates go to the variable on its ps task. Sparse reads
     (embedding lookups) and the other variables (the optimizer's slots and step, the
     metrics) are read as usual, when they are used.
 
@@ -225,9 +240,10 @@ def read_once(variables: list) -> Iterator[None]:
     None. Here the scope is entered with `CachingVariable.cached_read_value` replaced
     to cache only `variables`, in the closure's graph, and to record each read for
     the tapes. If these move, the first closure of a run with
-    train.steps_per_execution > 1 and ps.read_every > 1 fails to trace
-    (tests/test_steps_per_execution.py); the public way is to read every step."""
-    global _read_once_state, _tf_cached_read_value
+    train.steps_per_execution > 1 and ps.read_every > 1, or with ps.read_compression =
+    "fp16", fails to trace (tests/test_steps_per_execution.py); the public way is to
+    read every step, as float32."""
+    global _reads_state, _tf_cached_read_value
     from tensorflow.python.distribute import distribute_utils, ps_values
 
     if _tf_cached_read_value is None:
@@ -235,12 +251,12 @@ def read_once(variables: list) -> Iterator[None]:
         ps_values.CachingVariable.cached_read_value = _cached_read_value
     ids = {id(part) for v in variables for part in _parts(v)
            if isinstance(part, ps_values.CachingVariable)}
-    _read_once_state = _ReadOnce(tf.compat.v1.get_default_graph(), ids)
+    _reads_state = _Reads(tf.compat.v1.get_default_graph(), ids, cache, half)
     try:
         with distribute_utils.cache_variable_reads():
             yield
     finally:
-        _read_once_state = None
+        _reads_state = None
 
 
 def is_ps_failure(error: tf.errors.OpError) -> bool:

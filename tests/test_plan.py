@@ -43,6 +43,15 @@ def test_plan_halves_the_gradient_bytes_of_a_float16_push():
     assert sum(traffic.written_bytes) == 3_274_634 * 2
 
 
+def test_plan_halves_the_variable_bytes_of_a_float16_read():
+    _, traffic = plan.predict(cfg.load("configs/mnist_ps.toml", ["ps.read_compression=fp16"]),
+                              num_ps=2)
+    assert sum(traffic.sent_bytes) == 3_274_634 * 2
+    assert sum(traffic.read_bytes) == sum(traffic.written_bytes) == 3_274_634 * 4
+    loads = {(load.task, load.direction): load.nbytes for load in plan.link_loads(traffic, 2)}
+    assert loads["each worker", "receives"] == 3_274_634 * 2 / 2
+
+
 def test_the_memory_of_multi_worker_mirrored_workers_is_planned_for_keras3_models(capsys):
     # launch.local --ps 0 under a memory limit checks this plan before it starts anything.
     assert plan_command.main(["--config", "configs/mnist_sync.toml", "--ps", "0",

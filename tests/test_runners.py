@@ -204,6 +204,8 @@ def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
     ("ps.mode=sync", "ps.mode = sync is parameter-server training and this run has no ps"),
     ("debug.slow_worker=0", "debug.slow_worker = 0 slows a worker of a parameter-server"),
     ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push"),
+    ("ps.read_compression=fp16", "ps.read_compression = fp16 compresses the variables workers "
+                                 "read"),
     ("sync.compression=fp16", "sync.compression = fp16 compresses the all-reduce of"),
     ("train.global_batch_size=7", "train.global_batch_size (7) must be divisible by the number "
                                   "of replicas (2); use 6 or 8"),

@@ -11,6 +11,7 @@ MultiWorkerMirrored pair (TF_CONFIG set) and prints each case's metrics as JSON.
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import sys
@@ -89,10 +90,11 @@ def test_one_host(kind, keras, source, tmp_path):
 @pytest.mark.parametrize("keras,source", CASES)
 def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
     # The closures of the project's loop read the variables every 2 of their 3 steps
-    # (ps.read_every): those reads' gradients reach the variables in both Kerases'
-    # train steps.
-    metrics = train(keras, source, tmp_path, "ps.read_every=2", strategy=ps_strategy,
-                    cluster=ps_cluster)
+    # (ps.read_every), as float16 (ps.read_compression): those reads' gradients reach the
+    # variables in both Kerases' train steps. (A tf_keras pipeline trains through
+    # tf_keras' fit, which honours neither.)
+    metrics = train(keras, source, tmp_path, "ps.read_every=2", "ps.read_compression=fp16",
+                    strategy=ps_strategy, cluster=ps_cluster)
     check(metrics, tmp_path, keras, source)
 
 
@@ -125,19 +127,23 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster,
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("every", [1, 2, 3])
-def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, ps_strategy):
+@pytest.mark.parametrize("every, half", [(1, False), (2, False), (3, False), (1, True),
+                                         (3, True)])
+def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half,
+                                                                        ps_strategy):
     # Three SGD steps with momentum in one closure on a worker, the variable read once
-    # every `every` steps (ps.read_every): each step's gradient is the one at the weights
-    # of the last read, and the momentum (a slot, on the ps) still goes on step by step.
+    # every `every` steps (ps.read_every), as float16 with `half` (ps.read_compression):
+    # each step's gradient is the one at the weights of the last read, rounded to float16
+    # with `half`, and the momentum (a slot, on the ps) still goes on step by step.
     import tf_keras
 
     from app.distribute.ps import coordinated
 
     x, y = tf.constant([[1.0, 2.0], [3.0, -1.0]]), tf.constant([1.0, 0.5])
+    start = [1.0001, -2.0003]  # neither is a float16
 
     def model():
-        return tf_keras.optimizers.SGD(0.1, momentum=0.9), tf.Variable([1.0, -2.0])
+        return tf_keras.optimizers.SGD(0.1, momentum=0.9), tf.Variable(start)
 
     def gradient(w):
         with tf.GradientTape() as tape:
@@ -154,22 +160,56 @@ def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, p
 
     @tf.function
     def closure():
-        coordinated._loop(tf.constant(3), step, variables=[w], every=every)
+        coordinated._loop(tf.constant(3), step, variables=[w], every=every, half=half)
 
     coordinator.schedule(closure)
     coordinator.join()
     expected = {}
-    for period in (1, 2, 3):  # the same three steps in this process
-        local_optimizer, local = model()
+    for period, rounded in ((1, False), (2, False), (3, False), (1, True), (3, True)):
+        local_optimizer, local = model()  # the same three steps in this process
         for i in range(3):
             if i % period == 0:
-                read = gradient(local)
-            local_optimizer.apply_gradients(zip(read, [local], strict=True))
-        expected[period] = local.numpy()
+                read = tf.Variable(tf.cast(tf.cast(local, tf.float16), tf.float32)
+                                   if rounded else local)
+                read_gradient = gradient(read)
+            local_optimizer.apply_gradients(zip(read_gradient, [local], strict=True))
+        expected[period, rounded] = local.numpy()
     assert min(np.abs(expected[a] - expected[b]).max()
-               for a, b in ((1, 2), (2, 3), (1, 3))) > 0.01  # the three differ
-    np.testing.assert_allclose(w.numpy(), expected[every], rtol=1e-6)
+               for a, b in itertools.combinations(expected, 2)) > 1e-5  # all differ
+    np.testing.assert_allclose(w.numpy(), expected[every, half], rtol=1e-6)
     assert int(optimizer.iterations.numpy()) == 3
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("keras", KERASES)
+def test_a_keras_layer_reads_its_kernel_as_float16(keras, ps_strategy):
+    # With ps.read_compression = fp16 a layer's forward pass in a closure sees its kernel
+    # rounded to float16, in either Keras: its reads go through the loop's read scope.
+    import importlib
+
+    from app import dialects
+    from app.distribute.ps import coordinated
+
+    module, dialect = importlib.import_module(keras), dialects.named(keras)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(ps_strategy)
+    with ps_strategy.scope():
+        layer = module.layers.Dense(1, use_bias=False, kernel_initializer=module.initializers
+                                    .Constant([[1.0001], [-2.0003]]))  # neither is a float16
+        layer.build((None, 2))
+        out = tf.Variable(0.0)
+    variables = [dialect.tf_variable(v) for v in layer.trainable_variables]
+
+    def step(_):
+        ps_strategy.run(lambda: out.assign(tf.reshape(layer(tf.ones([1, 2])), [])))
+
+    def closure(half: bool):
+        return tf.function(lambda: coordinated._loop(tf.constant(1), step, variables=variables,
+                                                      every=1, half=half))
+
+    for half, expected in ((False, 1.0001 - 2.0003), (True, 1.0 - 2.0)):
+        coordinator.schedule(closure(half))
+        coordinator.join()
+        assert float(out.numpy()) == pytest.approx(expected, abs=1e-6)
 
 
 @pytest.mark.slow

@@ -296,6 +296,9 @@ def test_run_with_a_straggler(mode, keras_name, ps_strategy, ps_cluster, tmp_pat
                                      "workers each update waits for (workers - "
                                      "ps.backup_workers) (2); use 14 or 16"),
     (["debug.slow_worker=2"], "debug.slow_worker = 2 is not a worker of this cluster (0 to 1)"),
+    (["ps.read_compression=fp16"], "ps.read_compression = fp16 is for ps.mode = async: the "
+                                   "synchronous loop reads the variables as float32; set it to "
+                                   "none, or use ps.mode = async"),
 ])
 def test_sync_settings_are_checked_against_the_cluster(ps_strategy, ps_cluster, tmp_path,
                                                        overrides, message):

@@ -187,6 +187,9 @@ def test_fp16_compressed_run_learns_and_exports_a_loadable_model(tmp_path, tiny_
                             "cluster, and this run has none (DefaultStrategy); set it to -1"),
     ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push to "
                             "ps tasks, and this run has none (DefaultStrategy); set it to none"),
+    ("ps.read_compression=fp16", "ps.read_compression = fp16 compresses the variables workers "
+                                 "read from ps tasks, and this run has none (DefaultStrategy); "
+                                 "set it to none"),
 ])
 def test_parameter_server_settings_without_ps_tasks_are_refused(override, message, tmp_path,
                                                                  tiny_datasets):

@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(placement.report()))
     print("per training step (one batch on one worker):")
     for i in range(args.ps):
-        print(f"  ps:{i}  sends {human_size(traffic.read_bytes[i]):>10} (variables), "
+        print(f"  ps:{i}  sends {human_size(traffic.sent_bytes[i]):>10} (variables), "
               f"receives {human_size(traffic.written_bytes[i]):>10} (gradients)")
     if any(traffic.index_bytes):
         print(f"  tables read by lookup move only the rows a batch of "

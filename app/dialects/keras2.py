@@ -8,6 +8,7 @@ is the face they show the trainer (see `app.dialects`).
 from __future__ import annotations
 
 import contextlib
+import logging
 import pathlib
 import weakref
 from collections.abc import Callable, Iterator
@@ -23,6 +24,8 @@ from app.dialects import keras2_optimizers as optimizers
 from app.distribute.ps import coordinated
 from app.distribute.ps import evaluation as ps_evaluation
 from app.state.workdir import save_dir
+
+log = logging.getLogger(__name__)
 
 # The dialect interface (app.dialects.INTERFACE); what else is here is this module's own.
 __all__ = ["NAME", "LABEL", "IMPORT", "keras", "owns", "set_precision", "use_variable_rng",
@@ -146,16 +149,21 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1
-                    ) -> keras.callbacks.History:
+                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1,
+                    read_compression: str = "none") -> keras.callbacks.History:
     if reading is None:
+        if read_every > 1 or read_compression != "none":
+            log.warning("ps.read_every and ps.read_compression apply to the project's loop "
+                        "(a task read by index, or Keras 3); this task trains through "
+                        "tf_keras' fit, whose steps read every variable as float32")
         return fit(model, dataset_fn, coordinator.strategy, callbacks_, epochs,
                    steps_per_epoch, verbose)
     return coordinated.fit(model, model.train_step, coordinator, keras, epochs=epochs,
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, reading=reading, with_worker=with_worker,
                            workers=workers, steps_per_execution=steps_per_execution,
-                           read_every=read_every, variables=model.trainable_variables,
+                           read_every=read_every, read_compression=read_compression,
+                           variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

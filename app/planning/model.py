@@ -25,6 +25,16 @@ class Traffic:
     index_bytes: list[int] = dataclasses.field(default_factory=list)
     # Per ps task, the bytes of the trainable shards it holds, whole (tables too).
     trainable_bytes: list[int] = dataclasses.field(default_factory=list)
+    # Per ps task, the bytes of `read_bytes` that cross as float16, at half their size
+    # (ps.read_compression = fp16: the float32 variables read whole; empty: none).
+    halved_bytes: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def sent_bytes(self) -> list[int]:
+        """ps -> worker per step, as the bytes cross: `read_bytes`, less half of
+        `halved_bytes`."""
+        halved = self.halved_bytes or [0] * len(self.read_bytes)
+        return [n - h // 2 for n, h in zip(self.read_bytes, halved, strict=True)]
 
     @property
     def written_bytes(self) -> list[int]:
@@ -115,6 +125,7 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     lookup, batch = task.lookup_rows, config.train.global_batch_size
     tasks_of: dict[int, list[int]] = {}
     counter = 0
+    halved = [0] * num_ps
     for var in created:
         if id(var) in slots:
             continue
@@ -136,6 +147,8 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
                 index_bytes[task] += round(looked_up[i] * 2 * 8)  # their ids, there and back
             elif id(var) in trainable:
                 read[task] += nbytes
+                if config.ps.read_compression == "fp16" and var.dtype.name == "float32":
+                    halved[task] += nbytes
     by_id = {id(v): v for v in created}
     for slot, primary in slots.items():
         var = by_id[slot]
@@ -147,7 +160,7 @@ def place(built: Built, num_ps: int) -> tuple[Placement, Traffic]:
     others = tuple(ps_variables.weight_name(w) for w in model.weights
                    if not ps_variables.is_variable(w))
     return Placement(num_ps, tuple(shards), others), Traffic(read, scale, index_bytes,
-                                                                trainable_bytes)
+                                                                trainable_bytes, halved)
 
 
 def allreduce_bytes(config: cfg.Config, num_workers: int) -> float:
@@ -205,11 +218,11 @@ def link_loads(traffic: Traffic, num_workers: int) -> list[LinkLoad]:
     gradients; the workers share the steps, so each worker's link carries its share
     of all the ps tasks' bytes."""
     loads = []
-    for i, (read, written) in enumerate(zip(traffic.read_bytes, traffic.written_bytes,
+    for i, (read, written) in enumerate(zip(traffic.sent_bytes, traffic.written_bytes,
                                             strict=True)):
         loads += [LinkLoad(f"ps:{i}", "sends", read), LinkLoad(f"ps:{i}", "receives", written)]
     return loads + [
-        LinkLoad("each worker", "receives", sum(traffic.read_bytes) / num_workers),
+        LinkLoad("each worker", "receives", sum(traffic.sent_bytes) / num_workers),
         LinkLoad("each worker", "sends", sum(traffic.written_bytes) / num_workers)]
 
 
@@ -227,8 +240,9 @@ def step_time_bound(traffic: Traffic, num_workers: int,
     """
     busiest = max(link_loads(traffic, num_workers), key=lambda load: load.nbytes)
     link_s = busiest.nbytes * 8 / rate_bits
-    slowest = max(range(len(traffic.read_bytes)), key=lambda i: traffic.read_bytes[i])
-    chain_s = (traffic.read_bytes[slowest] + sum(traffic.written_bytes)) * 8 / rate_bits
+    sent = traffic.sent_bytes
+    slowest = max(range(len(sent)), key=lambda i: sent[i])
+    chain_s = (sent[slowest] + sum(traffic.written_bytes)) * 8 / rate_bits
     if chain_s / num_workers > link_s * (1 + 1e-9):  # a tie names the link
         return chain_s / num_workers, (f"each worker's read from ps:{slowest} then push, "
                                        f"{num_workers} worker(s) in parallel")

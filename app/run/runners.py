@@ -76,6 +76,10 @@ class SingleHost:
         self._refuse(self.config.ps.compression != "none",
                      f"ps.compression = {self.config.ps.compression} compresses the gradients "
                      "workers push to ps tasks, and this run has none ({name}); set it to none")
+        self._refuse(self.config.ps.read_compression != "none",
+                     f"ps.read_compression = {self.config.ps.read_compression} compresses the "
+                     "variables workers read from ps tasks, and this run has none ({name}); "
+                     "set it to none")
         self._check_all_reduce_and_batch()
 
     def _check_all_reduce_and_batch(self) -> None:
@@ -410,7 +414,8 @@ class AsyncPS(SingleHost):
             self.config.checkpoint.every_steps, reading=self.reading,
             with_worker=self.straggler is not None, workers=self._workers,
             steps_per_execution=self.config.train.steps_per_execution,
-            read_every=self.config.ps.read_every)
+            read_every=self.config.ps.read_every,
+            read_compression=self.config.ps.read_compression)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is
@@ -460,6 +465,10 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
                               f"workers ({self._workers}): each update needs at least one "
                               "gradient")
+        if self.config.ps.read_compression != "none":
+            raise ConfigError(f"ps.read_compression = {self.config.ps.read_compression} is "
+                              "for ps.mode = async: the synchronous loop reads the variables "
+                              "as float32; set it to none, or use ps.mode = async")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "

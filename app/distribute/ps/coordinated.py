@@ -73,7 +73,7 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
         with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
-        read_every: int = 1, variables: list | None = None):
+        read_every: int = 1, read_compression: str = "none", variables: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
     step), `steps_per_execution` of them in each closure scheduled on a free worker
     (fewer at an epoch's end), each batch read by index (`reading`) or from the
@@ -83,12 +83,13 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     `with_worker`: the batch also carries the index of the worker that trains on it (a
     straggler's train step needs it). `workers`: how many there are. `variables`: the
     model's, which a closure's steps read from the ps tasks once every `read_every`
-    of them (`tf_internal.read_once`)."""
+    of them, as float16 with `read_compression` "fp16" (`tf_internal.variable_reads`)."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
     loop = functools.partial(_loop, variables=variables,
-                             every=read_every if steps_per_execution > 1 else 1)
+                             every=read_every if steps_per_execution > 1 else 1,
+                             half=read_compression == "fp16")
     schedule = (_by_index(train, coordinator, *reading, with_worker, loop) if reading
                 else _by_iterator(train, coordinator, dataset_fn, loop))
     history = keras.callbacks.History()
@@ -137,15 +138,21 @@ def failure_behind(coordinator, error: BaseException) -> BaseException:
 
 
 def _loop(count: tf.Tensor, step: Callable[[tf.Tensor], Any], variables: list | None,
-          every: int) -> None:
+          every: int, half: bool = False) -> None:
     """`step(i)` for i in range(count), in a closure's traced function; with `every` >
-    1, in runs of `every` steps that each read `variables` from the ps tasks once."""
-    if every <= 1 or not variables:
+    1, in runs of `every` steps that each read `variables` from the ps tasks once;
+    with `half`, each read of them crosses as float16."""
+    if not variables or (every <= 1 and not half):
         for i in tf.range(count):
             step(i)
         return
+    if every <= 1:  # every step reads, as float16
+        with tf_internal.variable_reads(variables, cache=False, half=True):
+            for i in tf.range(count):
+                step(i)
+        return
     for start in tf.range(0, count, every):
-        with tf_internal.read_once(variables):  # the reads: where this run begins
+        with tf_internal.variable_reads(variables, half=half):  # the reads: where this run begins
             for i in tf.range(start, tf.minimum(start + every, count)):
                 step(i)
 
