@@ -126,9 +126,12 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster,
     assert (metrics["visits_min"], metrics["visits_max"]) == (2, 2)
 
 
+# (ps.read_every, ps.read_compression = fp16) of a closure's reads.
+READS = [(1, False), (2, False), (3, False), (1, True), (3, True)]
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("every, half", [(1, False), (2, False), (3, False), (1, True),
-                                         (3, True)])
+@pytest.mark.parametrize("every, half", READS)
 def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half,
                                                                         ps_strategy):
     # Three SGD steps with momentum in one closure on a worker, the variable read once
@@ -165,7 +168,7 @@ def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, h
     coordinator.schedule(closure)
     coordinator.join()
     expected = {}
-    for period, rounded in ((1, False), (2, False), (3, False), (1, True), (3, True)):
+    for period, rounded in READS:
         local_optimizer, local = model()  # the same three steps in this process
         for i in range(3):
             if i % period == 0:

@@ -142,19 +142,18 @@ def _loop(count: tf.Tensor, step: Callable[[tf.Tensor], Any], variables: list | 
     """`step(i)` for i in range(count), in a closure's traced function; with `every` >
     1, in runs of `every` steps that each read `variables` from the ps tasks once;
     with `half`, each read of them crosses as float16."""
-    if not variables or (every <= 1 and not half):
+    if every > 1 and variables:
+        for start in tf.range(0, count, every):
+            with tf_internal.variable_reads(variables, half=half):  # read where this run begins
+                for i in tf.range(start, tf.minimum(start + every, count)):
+                    step(i)
+        return
+    # Every step reads: as float16 with `half`, else as TensorFlow does.
+    reads = (tf_internal.variable_reads(variables, cache=False, half=True) if half and variables
+             else contextlib.nullcontext())
+    with reads:
         for i in tf.range(count):
             step(i)
-        return
-    if every <= 1:  # every step reads, as float16
-        with tf_internal.variable_reads(variables, cache=False, half=True):
-            for i in tf.range(count):
-                step(i)
-        return
-    for start in tf.range(0, count, every):
-        with tf_internal.variable_reads(variables, half=half):  # the reads: where this run begins
-            for i in tf.range(start, tf.minimum(start + every, count)):
-                step(i)
 
 
 def _by_iterator(train, coordinator, dataset_fn, loop) -> Schedule:
