@@ -206,13 +206,16 @@ def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
     ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push"),
     ("ps.read_compression=fp16", "ps.read_compression = fp16 compresses the variables workers "
                                  "read"),
+    ("ps.read_every=2 train.steps_per_execution=2", "ps.read_every = 2 reads the variables "
+                                                    "from ps tasks less often, and this run "
+                                                    "has none"),
     ("sync.compression=fp16", "sync.compression = fp16 compresses the all-reduce of"),
     ("train.global_batch_size=7", "train.global_batch_size (7) must be divisible by the number "
                                   "of replicas (2); use 6 or 8"),
 ])
 def test_single_host_checks(override, message):
     name = "default" if override.startswith("sync.") else "mirrored"
-    runner = runners.create(cfg.load(None, [override]), strategy=strategy.create(name))
+    runner = runners.create(cfg.load(None, override.split()), strategy=strategy.create(name))
     with pytest.raises(cfg.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
         runner.check()
 

@@ -299,6 +299,9 @@ def test_run_with_a_straggler(mode, keras_name, ps_strategy, ps_cluster, tmp_pat
     (["ps.read_compression=fp16"], "ps.read_compression = fp16 is for ps.mode = async: the "
                                    "synchronous loop reads the variables as float32; set it to "
                                    "none, or use ps.mode = async"),
+    (["ps.read_every=2", "train.steps_per_execution=2"],
+     "ps.read_every = 2 is for ps.mode = async: each step of the synchronous loop reads the "
+     "variables; set it to 1, or use ps.mode = async"),
 ])
 def test_sync_settings_are_checked_against_the_cluster(ps_strategy, ps_cluster, tmp_path,
                                                        overrides, message):

@@ -80,6 +80,9 @@ class SingleHost:
                      f"ps.read_compression = {self.config.ps.read_compression} compresses the "
                      "variables workers read from ps tasks, and this run has none ({name}); "
                      "set it to none")
+        self._refuse(self.config.ps.read_every != 1,
+                     f"ps.read_every = {self.config.ps.read_every} reads the variables from ps "
+                     "tasks less often, and this run has none ({name}); set it to 1")
         self._check_all_reduce_and_batch()
 
     def _check_all_reduce_and_batch(self) -> None:
@@ -469,6 +472,10 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.read_compression = {self.config.ps.read_compression} is "
                               "for ps.mode = async: the synchronous loop reads the variables "
                               "as float32; set it to none, or use ps.mode = async")
+        if self.config.ps.read_every != 1:
+            raise ConfigError(f"ps.read_every = {self.config.ps.read_every} is for ps.mode = "
+                              "async: each step of the synchronous loop reads the variables; "
+                              "set it to 1, or use ps.mode = async")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "
