@@ -166,6 +166,10 @@ ROWS: dict[str, Row] = {
                                   "(ps.read_compression=fp16)",
                                   _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
                                       "ps.read_compression=fp16")),
+    "ps_2w2p_spe8_fp16_both_every2": Row(
+        "ps_2w2p_spe8_fp16_both, the variables read every 2 steps (ps.read_every=2)",
+        _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
+            "ps.read_compression=fp16", "ps.read_every=2")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
