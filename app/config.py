@@ -138,7 +138,7 @@ class TrainConfig:
     lr_cycle_decay: float = field(0.8, above=0)
     # Steps per call of the compiled train function: fewer Python round trips;
     # under parameter servers, steps per scheduled closure (a closure run again after
-    # its worker died runs them all again).
+    # its worker died runs them all again); 1 in ps.mode = "sync".
     steps_per_execution: int = field(1, above=0)
     # Compile the train step with XLA.
     jit_compile: bool = False

@@ -476,6 +476,14 @@ class SyncPS(AsyncPS):
             raise ConfigError(f"ps.read_every = {self.config.ps.read_every} is for ps.mode = "
                               "async: each step of the synchronous loop reads the variables; "
                               "set it to 1, or use ps.mode = async")
+        steps = self.config.train.steps_per_execution
+        if steps != 1:
+            # The chief applies each update between contributions (sync.fit), so a closure
+            # of several steps would wait inside itself for updates it holds back.
+            raise ConfigError(f"train.steps_per_execution = {steps} runs {steps} steps a "
+                              "scheduled closure; in ps.mode = sync a closure is one "
+                              "worker's contribution to an update the chief applies "
+                              "between closures: set it to 1, or use ps.mode = async")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "
