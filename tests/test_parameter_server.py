@@ -242,6 +242,15 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
     return chief, outcome, done
 
 
+@pytest.mark.parametrize("spinning", [True, False])
+def test_a_tasks_server_gets_its_thread_pools_from_the_runtime_settings(spinning):
+    spec = tf.train.ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]})
+    config = serving.server_config(spec, intra_op_threads=1, spinning=spinning)
+    assert config.inter_op_parallelism_threads == 3  # workers + 1, unless given
+    assert config.intra_op_parallelism_threads == 1
+    assert config.experimental.disable_thread_spinning is not spinning
+
+
 def test_a_task_serves_until_the_chief_has_finished_not_merely_left():
     chief, outcome, done = serve_in_thread("ps", wait_s=60)
     outcome["said"].wait_for("the chief is up")

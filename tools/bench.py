@@ -124,6 +124,11 @@ ROWS: dict[str, Row] = {
         "(ps.read_compression=fp16)",
         _ps(2, 2, "ps.compression=fp16", "ps.read_compression=fp16"),
         "train.steps_per_execution=8"),
+    "ps_2w2p_spe8_fp16_both_nospin_defaults": _at_defaults(
+        "ps_2w2p_spe8_fp16_both_defaults, the ps and worker tasks' thread pools not "
+        "spinning (runtime.thread_spinning=false)",
+        _ps(2, 2, "ps.compression=fp16", "ps.read_compression=fp16",
+            "runtime.thread_spinning=false"), "train.steps_per_execution=8"),
     "mwms_2w_fp16_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
         _ps(2, 0, "sync.compression=fp16")),
@@ -170,6 +175,11 @@ ROWS: dict[str, Row] = {
         "ps_2w2p_spe8_fp16_both, the variables read every 2 steps (ps.read_every=2)",
         _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
             "ps.read_compression=fp16", "ps.read_every=2")),
+    "ps_2w2p_spe8_fp16_both_nospin": Row(
+        "ps_2w2p_spe8_fp16_both, the ps and worker tasks' thread pools not spinning "
+        "(runtime.thread_spinning=false)",
+        _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
+            "ps.read_compression=fp16", "runtime.thread_spinning=false")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",

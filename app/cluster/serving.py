@@ -57,7 +57,7 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
         os.remove(marker)
     start_server(cluster.resolver().cluster_spec(), cluster.task_type, cluster.task_index,
                  protocol=cluster.rpc_layer, inter_op_threads=runtime.inter_op_threads,
-                 intra_op_threads=runtime.intra_op_threads)
+                 intra_op_threads=runtime.intra_op_threads, spinning=runtime.thread_spinning)
     chief = cluster.jobs["chief"][0]
     log.info("serving at %s; waiting for the chief at %s", address, chief)
     seen, gone_since = False, None
@@ -100,13 +100,26 @@ def serve(cluster: Cluster, runtime: RuntimeConfig, wait_s: float,
 
 
 def start_server(spec: tf.train.ClusterSpec, job: str, index: int, protocol: str = "grpc",
-                 inter_op_threads: int = 0, intra_op_threads: int = 0) -> None:
+                 inter_op_threads: int = 0, intra_op_threads: int = 0,
+                 spinning: bool = True) -> None:
     """Start the TF server of task `job:index` in this process (it runs until exit)."""
+    tf.distribute.Server(spec, job_name=job, task_index=index, protocol=protocol,
+                         config=server_config(spec, inter_op_threads, intra_op_threads,
+                                              spinning),
+                         start=True)
+
+
+def server_config(spec: tf.train.ClusterSpec, inter_op_threads: int = 0,
+                  intra_op_threads: int = 0, spinning: bool = True) -> tf.compat.v1.ConfigProto:
+    """The session config of a task's server: its thread pools, which TensorFlow makes
+    once per process (the first config to ask for them sets them)."""
     config = tf.compat.v1.ConfigProto()
     # Fewer inter-op threads than workers + 1 can deadlock a task that runs
     # several workers' functions at once on a small host.
     config.inter_op_parallelism_threads = inter_op_threads or spec.num_tasks("worker") + 1
     if intra_op_threads:
         config.intra_op_parallelism_threads = intra_op_threads
-    tf.distribute.Server(spec, job_name=job, task_index=index, protocol=protocol,
-                         config=config, start=True)
+    # Eigen's pools spin for their next op before they sleep; on cores that a cluster's
+    # tasks share, that spinning takes time from the task with work (docs/benchmarks.md).
+    config.experimental.disable_thread_spinning = not spinning
+    return config

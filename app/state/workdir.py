@@ -73,11 +73,13 @@ def given(train_args: list[str]) -> str | None:
 # on a new port; a launcher sets the thread counts per host (launch.local: cores /
 # workers, workers + 1), so a run resumed on fewer workers gets other ones; the
 # memory limit, the CPU allocator and a logical GPU's memory bound what a process
-# may hold, not what it computes. Not runtime.onednn (other kernels, other rounding)
-# nor cpu_devices / gpu_devices (the number of replicas of a Mirrored run).
+# may hold, not what it computes; spinning threads change how soon an op starts.
+# Not runtime.onednn (other kernels, other rounding) nor cpu_devices / gpu_devices
+# (the number of replicas of a Mirrored run).
 HOW_NOT_WHAT = frozenset({
     "data.service", "runtime.intra_op_threads", "runtime.inter_op_threads",
-    "runtime.memory_limit_gib", "runtime.cpu_allocator", "runtime.gpu_device_memory_mib"})
+    "runtime.memory_limit_gib", "runtime.cpu_allocator", "runtime.gpu_device_memory_mib",
+    "runtime.thread_spinning"})
 
 
 def finished(path: pathlib.Path) -> bool:
