@@ -26,9 +26,6 @@ import tensorflow as tf
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from tools import bench_report  # noqa: E402  (run as a script, from any directory)
 
-tf.config.threading.set_intra_op_parallelism_threads(1)
-tf.config.threading.set_inter_op_parallelism_threads(1)
-
 
 def per_element_ns(fn, arg, elements: int, calls: int, repeats: int) -> float:
     fn(arg)  # traced once, outside the timing
@@ -50,6 +47,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out")
     args = parser.parse_args()
+    tf.config.threading.set_intra_op_parallelism_threads(1)  # before the first op runs
+    tf.config.threading.set_inter_op_parallelism_threads(1)
 
     x = tf.random.normal([args.elements])
     # x * 1 writes a new float32 tensor of x's size: one pass through memory, as a copy.
