@@ -69,5 +69,6 @@ def main() -> None:
                            "elements": args.elements, "ns_per_element": results},
                           pathlib.Path(args.out))
 
+
 if __name__ == "__main__":
     main()

@@ -81,6 +81,9 @@ def _switch(setting: str, note: str = "") -> Row:
 _STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_size=96",
               "task.source=mnist", "task.validation_examples=0", "task.test_examples=0")
 
+# Float16 both ways under parameter servers: gradients pushed and variables read.
+_FP16_BOTH = ("ps.compression=fp16", "ps.read_compression=fp16")
+
 # The settings every row starts from; rows and --set may change them.
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
          "train.jit_compile=false", "train.steps_per_execution=1")
@@ -122,13 +125,12 @@ ROWS: dict[str, Row] = {
     "ps_2w2p_spe8_fp16_both_defaults": _at_defaults(
         "ps_2w2p_spe8_fp16_defaults, the variables read as float16 too "
         "(ps.read_compression=fp16)",
-        _ps(2, 2, "ps.compression=fp16", "ps.read_compression=fp16"),
-        "train.steps_per_execution=8"),
+        _ps(2, 2, *_FP16_BOTH), "train.steps_per_execution=8"),
     "ps_2w2p_spe8_fp16_both_nospin_defaults": _at_defaults(
         "ps_2w2p_spe8_fp16_both_defaults, the ps and worker tasks' thread pools not "
         "spinning (runtime.thread_spinning=false)",
-        _ps(2, 2, "ps.compression=fp16", "ps.read_compression=fp16",
-            "runtime.thread_spinning=false"), "train.steps_per_execution=8"),
+        _ps(2, 2, *_FP16_BOTH, "runtime.thread_spinning=false"),
+        "train.steps_per_execution=8"),
     "mwms_2w_fp16_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
         _ps(2, 0, "sync.compression=fp16")),
@@ -169,17 +171,15 @@ ROWS: dict[str, Row] = {
                              _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16")),
     "ps_2w2p_spe8_fp16_both": Row("ps_2w2p_spe8_fp16, the variables read as float16 too "
                                   "(ps.read_compression=fp16)",
-                                  _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
-                                      "ps.read_compression=fp16")),
+                                  _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH)),
     "ps_2w2p_spe8_fp16_both_every2": Row(
         "ps_2w2p_spe8_fp16_both, the variables read every 2 steps (ps.read_every=2)",
-        _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
-            "ps.read_compression=fp16", "ps.read_every=2")),
+        _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, "ps.read_every=2")),
     "ps_2w2p_spe8_fp16_both_nospin": Row(
         "ps_2w2p_spe8_fp16_both, the ps and worker tasks' thread pools not spinning "
         "(runtime.thread_spinning=false)",
-        _ps(2, 2, "train.steps_per_execution=8", "ps.compression=fp16",
-            "ps.read_compression=fp16", "runtime.thread_spinning=false")),
+        _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH,
+            "runtime.thread_spinning=false")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
