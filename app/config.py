@@ -205,11 +205,11 @@ class RuntimeConfig:
     # Ops run at once (0 = TensorFlow's default). launch.local sets it to
     # workers + 1 unless given: fewer can deadlock a ps serving every worker.
     inter_op_threads: int = field(0, minimum=0)
-    # Under parameter servers: whether the thread pools of the ps and worker tasks'
-    # TensorFlow servers spin a while for their next op before they sleep (TensorFlow's
-    # default: less latency, more CPU); false: they sleep at once, and leave the cores
-    # to the other tasks of a cluster that shares them (ConfigProto's
-    # disable_thread_spinning; docs/benchmarks.md).
+    # Whether TensorFlow's thread pools, in every task, spin a while for their next op
+    # before they sleep (TensorFlow's default: less latency, more CPU); false: they
+    # sleep at once, and leave the cores to the other tasks of a cluster that shares
+    # them (ConfigProto's disable_thread_spinning; docs/benchmarks.md). Fixed when
+    # TensorFlow starts, as the thread counts are.
     thread_spinning: bool = True
     # The memory each task may use, in GiB (0 = no limit): set in each task's
     # own process before TensorFlow starts, as RLIMIT_DATA (app/cluster/memory.py says

@@ -42,6 +42,13 @@ these, only this module breaks, and only the runs that use it:
   key base the same way (strategy_combinations.py). If it moves, `app.strategy`
   fails to create a MirroredStrategy (tests/test_strategy.py); the public way is
   one MirroredStrategy per process.
+- `thread_spinning`, `set_thread_spinning`: whether the thread pools this process's
+  TensorFlow makes spin for their next op before they sleep (ConfigProto's
+  `disable_thread_spinning`), set in the eager context's config before it starts.
+  `tf.distribute.Server` takes a ConfigProto, but the eager context (one process,
+  Mirrored, a MultiWorkerMirrored worker, a parameter-server chief) has no public
+  setter for it. If they move, `runtime.thread_spinning = false` fails without ps
+  tasks (tests/test_strategy.py); the public way is to leave the pools spinning.
 - `is_ps_failure`: the ClusterCoordinator's own test of whether a step's error is a
   ps task's failure, which knows how a ps restarted on its address answers. If it
   moves, a chief whose ps came back before a step reached it exits 1 rather than
@@ -163,6 +170,33 @@ def disable_op_determinism() -> None:
     from tensorflow.python.framework import config
 
     config.disable_op_determinism()
+
+
+def _eager_context():
+    from tensorflow.python.eager import context
+
+    return context.context()
+
+
+def thread_spinning() -> bool:
+    """Whether this process's thread pools spin (the eager context's config)."""
+    config = _eager_context()._config
+    return config is None or not config.experimental.disable_thread_spinning
+
+
+def set_thread_spinning(spinning: bool) -> None:
+    """Set whether the pools spin; before TensorFlow starts, as its thread counts.
+
+    Raises RuntimeError once the context has started with the other setting.
+    """
+    if thread_spinning() == spinning:
+        return
+    ctx = _eager_context()
+    if ctx._context_handle is not None:
+        raise RuntimeError("thread spinning cannot be changed after initialization")
+    if ctx._config is None:
+        ctx._config = tf.compat.v1.ConfigProto()
+    ctx._config.experimental.disable_thread_spinning = not spinning
 
 
 class _Reads:

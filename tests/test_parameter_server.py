@@ -243,9 +243,19 @@ def serve_in_thread(job: str, wait_s: float, stopping=lambda: False, chief_up: b
 
 
 @pytest.mark.parametrize("spinning", [True, False])
-def test_a_tasks_server_gets_its_thread_pools_from_the_runtime_settings(spinning):
-    spec = tf.train.ClusterSpec({"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4"]})
-    config = serving.server_config(spec, intra_op_threads=1, spinning=spinning)
+def test_a_tasks_server_gets_its_thread_pools_from_the_runtime_settings(spinning, monkeypatch):
+    servers = []  # the keyword arguments of each tf.distribute.Server made
+    monkeypatch.setattr(serving.tf.distribute, "Server", lambda *_, **kw: servers.append(kw))
+    chief = socket.socket()  # bound and closed: a chief that has gone
+    chief.bind(("localhost", 0))
+    spec = {"chief": [f"localhost:{chief.getsockname()[1]}"], "worker": ["h:2", "h:3"],
+            "ps": ["h:4"]}
+    chief.close()
+    task = clusters.parse(json.dumps({"cluster": spec, "task": {"type": "ps", "index": 0}}))
+    serving.serve(task, cfg.RuntimeConfig(intra_op_threads=1, thread_spinning=spinning),
+                  wait_s=60, poll_s=0.1, finished=lambda: True)
+    [server] = servers
+    config = server["config"]
     assert config.inter_op_parallelism_threads == 3  # workers + 1, unless given
     assert config.intra_op_parallelism_threads == 1
     assert config.experimental.disable_thread_spinning is not spinning

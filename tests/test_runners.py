@@ -209,8 +209,6 @@ def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
     ("ps.read_every=2 train.steps_per_execution=2", "ps.read_every = 2 reads the variables "
                                                     "from ps tasks less often, and this run "
                                                     "has none"),
-    ("runtime.thread_spinning=false", "runtime.thread_spinning = false stops the thread pools "
-                                      "of a parameter-server cluster's ps and worker tasks"),
     ("sync.compression=fp16", "sync.compression = fp16 compresses the all-reduce of"),
     ("train.global_batch_size=7", "train.global_batch_size (7) must be divisible by the number "
                                   "of replicas (2); use 6 or 8"),

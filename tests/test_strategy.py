@@ -1,5 +1,7 @@
 import functools
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -119,6 +121,31 @@ def test_split_cpu_after_start_must_match():
     with pytest.raises(ConfigError, match="runtime.cpu_devices = 3, but TensorFlow already "
                                           "started with 2 CPU device"):
         strategies.split_cpu(3)
+
+
+def test_thread_spinning_is_fixed_when_tensorflow_starts():
+    tf.constant(1)  # started, as in any test process, its pools spinning (TF's default)
+    strategies.configure_runtime(cfg.RuntimeConfig())  # as it started: fine
+    with pytest.raises(ConfigError, match="runtime.thread_spinning = false, but TensorFlow "
+                                          "already started with its thread pools spinning; "
+                                          "set it before any TensorFlow op runs"):
+        strategies.configure_runtime(cfg.RuntimeConfig(thread_spinning=False))
+
+
+def test_thread_spinning_off_reaches_the_config_every_strategy_makes_its_servers_from():
+    # MultiWorkerMirrored's collective server and the parameter-server chief's
+    # connection copy the eager context's config (TF 2.21 collective_all_reduce_strategy,
+    # eager/remote.py); so does the one process's own context.
+    code = ("import tensorflow as tf\n"
+            "from app import config, strategy\n"
+            "strategy.configure_runtime(config.RuntimeConfig(thread_spinning={}))\n"
+            "tf.constant(1)\n"
+            "print(tf.__internal__.eager_context.get_config()"
+            ".experimental.disable_thread_spinning)")
+    for spinning, disabled in ((False, "True"), (True, "False")):
+        result = subprocess.run([sys.executable, "-c", code.format(spinning)],
+                                capture_output=True, text=True, timeout=300)
+        assert result.stdout.split() == [disabled], result.stderr
 
 
 def test_batch_must_divide_over_replicas():

@@ -83,10 +83,6 @@ class SingleHost:
         self._refuse(self.config.ps.read_every != 1,
                      f"ps.read_every = {self.config.ps.read_every} reads the variables from ps "
                      "tasks less often, and this run has none ({name}); set it to 1")
-        self._refuse(not self.config.runtime.thread_spinning,
-                     "runtime.thread_spinning = false stops the thread pools of a "
-                     "parameter-server cluster's ps and worker tasks from spinning, and this "
-                     "run has none ({name}); set it to true")
         self._check_all_reduce_and_batch()
 
     def _check_all_reduce_and_batch(self) -> None:
