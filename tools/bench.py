@@ -127,10 +127,23 @@ ROWS: dict[str, Row] = {
         "(ps.read_compression=fp16)",
         _ps(2, 2, *_FP16_BOTH), "train.steps_per_execution=8"),
     "ps_2w2p_spe8_fp16_both_nospin_defaults": _at_defaults(
-        "ps_2w2p_spe8_fp16_both_defaults, the ps and worker tasks' thread pools not "
-        "spinning (runtime.thread_spinning=false)",
+        "ps_2w2p_spe8_fp16_both_defaults, no task's thread pools spinning "
+        "(runtime.thread_spinning=false)",
         _ps(2, 2, *_FP16_BOTH, "runtime.thread_spinning=false"),
         "train.steps_per_execution=8"),
+    "defaults_nospin": _at_defaults("one process, its thread pools not spinning "
+                                    "(runtime.thread_spinning=false)", _BASELINE,
+                                    "runtime.thread_spinning=false"),
+    "mwms_2w_nospin_defaults": _at_defaults(
+        "MultiWorkerMirrored, 2 worker processes, their thread pools not spinning "
+        "(runtime.thread_spinning=false)", _ps(2, 0, "runtime.thread_spinning=false")),
+    "ps_2w2p_nospin_defaults": _at_defaults(
+        "ParameterServer: chief + 2 workers + 2 ps, no task's thread pools spinning "
+        "(runtime.thread_spinning=false)", _ps(2, 2, "runtime.thread_spinning=false")),
+    "mwms_2w_fp16_nospin_defaults": _at_defaults(
+        "mwms_2w_fp16_defaults, the workers' thread pools not spinning "
+        "(runtime.thread_spinning=false)",
+        _ps(2, 0, "sync.compression=fp16", "runtime.thread_spinning=false")),
     "mwms_2w_fp16_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
         _ps(2, 0, "sync.compression=fp16")),
@@ -146,6 +159,7 @@ ROWS: dict[str, Row] = {
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
     "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
+    "nospin": _switch("runtime.thread_spinning=false"),
     "xla": _switch("train.jit_compile=true"),
     "bf16": _switch("train.precision=mixed_bfloat16"),
     "mirrored_1dev": Row("MirroredStrategy on one device", (*_TRAIN, "--strategy", "mirrored")),
@@ -176,7 +190,7 @@ ROWS: dict[str, Row] = {
         "ps_2w2p_spe8_fp16_both, the variables read every 2 steps (ps.read_every=2)",
         _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, "ps.read_every=2")),
     "ps_2w2p_spe8_fp16_both_nospin": Row(
-        "ps_2w2p_spe8_fp16_both, the ps and worker tasks' thread pools not spinning "
+        "ps_2w2p_spe8_fp16_both, no task's thread pools spinning "
         "(runtime.thread_spinning=false)",
         _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH,
             "runtime.thread_spinning=false")),
