@@ -47,8 +47,9 @@ these, only this module breaks, and only the runs that use it:
   `disable_thread_spinning`), set in the eager context's config before it starts.
   `tf.distribute.Server` takes a ConfigProto, but the eager context (one process,
   Mirrored, a MultiWorkerMirrored worker, a parameter-server chief) has no public
-  setter for it. If they move, `runtime.thread_spinning = false` fails without ps
-  tasks (tests/test_strategy.py); the public way is to leave the pools spinning.
+  setter for it. `app.strategy.configure_runtime` asks them in every run, at the
+  default too, so if they move every run fails as it configures its runtime
+  (tests/test_strategy.py); the public way is to leave the pools spinning.
 - `is_ps_failure`: the ClusterCoordinator's own test of whether a step's error is a
   ps task's failure, which knows how a ps restarted on its address answers. If it
   moves, a chief whose ps came back before a step reached it exits 1 rather than
