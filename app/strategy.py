@@ -27,14 +27,13 @@ def configure_runtime(runtime: RuntimeConfig) -> None:
         tf.config.threading.set_intra_op_parallelism_threads(runtime.intra_op_threads)
     if runtime.inter_op_threads:
         tf.config.threading.set_inter_op_parallelism_threads(runtime.inter_op_threads)
-    try:
-        tf_internal.set_thread_spinning(runtime.thread_spinning)
-    except RuntimeError:
-        raise ConfigError(
-            f"runtime.thread_spinning = {str(runtime.thread_spinning).lower()}, but "
-            "TensorFlow already started with its thread pools "
-            f"{'not ' if runtime.thread_spinning else ''}spinning; set it before any "
-            "TensorFlow op runs") from None
+    if not runtime.thread_spinning:
+        try:
+            tf_internal.stop_thread_spinning()
+        except RuntimeError:
+            raise ConfigError(
+                "runtime.thread_spinning = false, but TensorFlow already started with its "
+                "thread pools spinning; set it before any TensorFlow op runs") from None
     gpus = tf.config.list_physical_devices("GPU")
     if runtime.gpu_devices and not gpus:
         raise ConfigError(f"runtime.gpu_devices = {runtime.gpu_devices}, but this machine has "

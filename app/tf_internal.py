@@ -42,14 +42,14 @@ these, only this module breaks, and only the runs that use it:
   key base the same way (strategy_combinations.py). If it moves, `app.strategy`
   fails to create a MirroredStrategy (tests/test_strategy.py); the public way is
   one MirroredStrategy per process.
-- `thread_spinning`, `set_thread_spinning`: whether the thread pools this process's
-  TensorFlow makes spin for their next op before they sleep (ConfigProto's
-  `disable_thread_spinning`), set in the eager context's config before it starts.
+- `stop_thread_spinning`: makes the thread pools this process's TensorFlow starts with
+  sleep at once when they have no op, rather than spin a while first (ConfigProto's
+  `disable_thread_spinning`), in the eager context's config before it starts.
   `tf.distribute.Server` takes a ConfigProto, but the eager context (one process,
   Mirrored, a MultiWorkerMirrored worker, a parameter-server chief) has no public
-  setter for it. `app.strategy.configure_runtime` asks them in every run, at the
-  default too, so if they move every run fails as it configures its runtime
-  (tests/test_strategy.py); the public way is to leave the pools spinning.
+  setter for it. Only a run with `runtime.thread_spinning = false` calls it; if it
+  moves, such a run fails as it configures its runtime (tests/test_strategy.py), and
+  the public way is to leave the pools spinning, TensorFlow's default.
 - `is_ps_failure`: the ClusterCoordinator's own test of whether a step's error is a
   ps task's failure, which knows how a ps restarted on its address answers. If it
   moves, a chief whose ps came back before a step reached it exits 1 rather than
@@ -173,31 +173,21 @@ def disable_op_determinism() -> None:
     config.disable_op_determinism()
 
 
-def _eager_context():
+def stop_thread_spinning() -> None:
+    """Make the pools sleep when idle; before TensorFlow starts, as its thread counts.
+
+    Raises RuntimeError once the context has started with its pools spinning.
+    """
     from tensorflow.python.eager import context
 
-    return context.context()
-
-
-def thread_spinning() -> bool:
-    """Whether this process's thread pools spin (the eager context's config)."""
-    config = _eager_context()._config
-    return config is None or not config.experimental.disable_thread_spinning
-
-
-def set_thread_spinning(spinning: bool) -> None:
-    """Set whether the pools spin; before TensorFlow starts, as its thread counts.
-
-    Raises RuntimeError once the context has started with the other setting.
-    """
-    if thread_spinning() == spinning:
+    ctx = context.context()
+    if ctx._config is not None and ctx._config.experimental.disable_thread_spinning:
         return
-    ctx = _eager_context()
     if ctx._context_handle is not None:
         raise RuntimeError("thread spinning cannot be changed after initialization")
     if ctx._config is None:
         ctx._config = tf.compat.v1.ConfigProto()
-    ctx._config.experimental.disable_thread_spinning = not spinning
+    ctx._config.experimental.disable_thread_spinning = True
 
 
 class _Reads:
