@@ -197,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                 raise cfg.ConfigError(
                     "the evaluator task needs --workdir: the chief's workdir, whose "
                     "checkpoints it evaluates (a directory both can reach)")
-            from app.planning import memory as plan_memory  # TensorFlow starts here,
-            from app.run import evaluator  # after all checks.
+            from app import strategy  # TensorFlow starts here, after all checks.
+            from app.planning import memory as plan_memory
+            from app.run import evaluator
 
+            # Its thread pools, as every task's, before its first op (the memory check's).
+            strategy.configure_runtime(config.runtime)
             plan_memory.check_evaluator(config)  # before the evaluator builds its model
             section = evaluator.run(config, args.workdir)
             print(f"eval: {json.dumps({k: v for k, v in section.items() if k != 'evaluations'})}")

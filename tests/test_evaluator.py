@@ -70,3 +70,21 @@ def test_an_evaluator_that_cannot_hold_the_model_is_refused_before_building_it()
         "it restores each checkpoint into a whole model of its own. Evaluate on the workers "
         "instead"), e.value
     plan_memory.check_evaluator(cfg.load(None, [*tables, "runtime.memory_limit_gib=2"]))
+
+
+def test_the_evaluator_task_sets_its_runtime_before_it_builds_a_model(tmp_path, monkeypatch):
+    from app import strategy, train
+
+    spec = {"chief": ["h:1"], "worker": ["h:2"]}
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": spec,
+                                                "task": {"type": "evaluator", "index": 0}}))
+    for name in ("TF_ENABLE_ONEDNN_OPTS", "TF_CPU_ALLOCATOR_USE_BFC"):  # main sets them
+        monkeypatch.setenv(name, "")
+    calls = []
+    monkeypatch.setattr(strategy, "configure_runtime", lambda runtime: calls.append(
+        ("runtime", runtime.intra_op_threads, runtime.thread_spinning)))
+    monkeypatch.setattr(plan_memory, "check_evaluator", lambda config: calls.append("check"))
+    monkeypatch.setattr(evaluator, "run", lambda config, workdir: calls.append("run") or {})
+    assert train.main(["--workdir", str(tmp_path), "--set", "runtime.intra_op_threads=1",
+                       "--set", "runtime.thread_spinning=false"]) == 0
+    assert calls == [("runtime", 1, False), "check", "run"]
