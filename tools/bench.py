@@ -83,6 +83,8 @@ _STRAGGLER = ("debug.slow_worker=2", "debug.slow_factor=3", "train.global_batch_
 
 # Float16 both ways under parameter servers: gradients pushed and variables read.
 _FP16_BOTH = ("ps.compression=fp16", "ps.read_compression=fp16")
+# No task's thread pools spinning for their next op: they sleep at once.
+_NOSPIN = "runtime.thread_spinning=false"
 
 # The settings every row starts from; rows and --set may change them.
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
@@ -129,21 +131,21 @@ ROWS: dict[str, Row] = {
     "ps_2w2p_spe8_fp16_both_nospin_defaults": _at_defaults(
         "ps_2w2p_spe8_fp16_both_defaults, no task's thread pools spinning "
         "(runtime.thread_spinning=false)",
-        _ps(2, 2, *_FP16_BOTH, "runtime.thread_spinning=false"),
+        _ps(2, 2, *_FP16_BOTH, _NOSPIN),
         "train.steps_per_execution=8"),
     "defaults_nospin": _at_defaults("one process, its thread pools not spinning "
                                     "(runtime.thread_spinning=false)", _BASELINE,
-                                    "runtime.thread_spinning=false"),
+                                    _NOSPIN),
     "mwms_2w_nospin_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, their thread pools not spinning "
-        "(runtime.thread_spinning=false)", _ps(2, 0, "runtime.thread_spinning=false")),
+        "(runtime.thread_spinning=false)", _ps(2, 0, _NOSPIN)),
     "ps_2w2p_nospin_defaults": _at_defaults(
         "ParameterServer: chief + 2 workers + 2 ps, no task's thread pools spinning "
-        "(runtime.thread_spinning=false)", _ps(2, 2, "runtime.thread_spinning=false")),
+        "(runtime.thread_spinning=false)", _ps(2, 2, _NOSPIN)),
     "mwms_2w_fp16_nospin_defaults": _at_defaults(
         "mwms_2w_fp16_defaults, the workers' thread pools not spinning "
         "(runtime.thread_spinning=false)",
-        _ps(2, 0, "sync.compression=fp16", "runtime.thread_spinning=false")),
+        _ps(2, 0, "sync.compression=fp16", _NOSPIN)),
     "mwms_2w_fp16_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, float16 all-reduce (sync.compression=fp16)",
         _ps(2, 0, "sync.compression=fp16")),
@@ -159,7 +161,7 @@ ROWS: dict[str, Row] = {
     "onednn": _switch("runtime.onednn=true", " (the project's default)"),
     "bfc": _switch("runtime.cpu_allocator=bfc", " (the project's default)"),
     "spe8": _switch("train.steps_per_execution=8"),
-    "nospin": _switch("runtime.thread_spinning=false"),
+    "nospin": _switch(_NOSPIN),
     "xla": _switch("train.jit_compile=true"),
     "bf16": _switch("train.precision=mixed_bfloat16"),
     "mirrored_1dev": Row("MirroredStrategy on one device", (*_TRAIN, "--strategy", "mirrored")),
@@ -192,8 +194,7 @@ ROWS: dict[str, Row] = {
     "ps_2w2p_spe8_fp16_both_nospin": Row(
         "ps_2w2p_spe8_fp16_both, no task's thread pools spinning "
         "(runtime.thread_spinning=false)",
-        _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH,
-            "runtime.thread_spinning=false")),
+        _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, _NOSPIN)),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",
