@@ -405,14 +405,6 @@ def validate(config: Config) -> None:
     if config.debug.hold_at_step and not config.debug.hold_file:
         raise ConfigError(f"debug.hold_at_step = {config.debug.hold_at_step} needs "
                           "debug.hold_file: the file whose creation ends the hold")
-    every, steps = config.ps.read_every, config.train.steps_per_execution
-    if every > steps:
-        # A closure reads the variables at its first step, so m > k reads as m = k would,
-        # and at k = 1 (the default) every step reads whatever m says.
-        raise ConfigError(f"ps.read_every = {every} reads the variables once every {every} "
-                          "steps of a closure, and a closure runs train.steps_per_execution "
-                          f"= {steps}: set train.steps_per_execution to {every} or more, or "
-                          f"ps.read_every to {steps} or less")
     address = config.data.service.removeprefix("grpc://")
     if address and not is_address(address):
         raise ConfigError(f"data.service = {config.data.service!r} is not a dispatcher's "

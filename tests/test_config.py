@@ -55,9 +55,6 @@ def test_round_trip_through_written_toml(tmp_path):
      "no limit"),
     ("debug.hold_at_step=5", "debug.hold_at_step = 5 needs debug.hold_file: the file whose "
      "creation ends the hold"),
-    ("ps.read_every=4", "ps.read_every = 4 reads the variables once every 4 steps of a closure, "
-     "and a closure runs train.steps_per_execution = 1: set train.steps_per_execution to 4 "
-     "or more, or ps.read_every to 1 or less"),
 ])
 def test_bad_overrides_name_the_field_and_fix(override, message):
     with pytest.raises(cfg.ConfigError) as e:

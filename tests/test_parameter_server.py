@@ -181,6 +181,18 @@ def test_deterministic_is_refused_under_parameter_servers(mode, ps_strategy, ps_
     assert list(tmp_path.iterdir()) == []
 
 
+def test_reading_less_often_than_a_closure_runs_is_refused(ps_strategy, ps_cluster, tmp_path):
+    settings = config("ps.read_every=4", "train.steps_per_execution=2")
+    with pytest.raises(cfg.ConfigError) as e:
+        trainer.run(settings, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
+                    task=tiny_task(settings))
+    assert str(e.value) == (
+        "ps.read_every = 4 reads the variables once every 4 steps of a closure, and a closure "
+        "runs train.steps_per_execution = 2: set train.steps_per_execution to 4 or more, or "
+        "ps.read_every to 2 or less")
+    assert list(tmp_path.iterdir()) == []
+
+
 # A deadline only a hung serve loop reaches, however loaded the machine.
 HANG_S = 120
 

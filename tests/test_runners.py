@@ -206,6 +206,9 @@ def test_a_fake_task_trains_and_reports_its_headline_metric(tmp_path):
     ("ps.compression=fp16", "ps.compression = fp16 compresses the gradients workers push"),
     ("ps.read_compression=fp16", "ps.read_compression = fp16 compresses the variables workers "
                                  "read"),
+    # At one step an execution as at two: the one refusal, whose advice is the fix.
+    ("ps.read_every=2", "ps.read_every = 2 reads the variables from ps tasks less often, and "
+                        "this run has none"),
     ("ps.read_every=2 train.steps_per_execution=2", "ps.read_every = 2 reads the variables "
                                                     "from ps tasks less often, and this run "
                                                     "has none"),

@@ -302,6 +302,9 @@ def test_run_with_a_straggler(mode, keras_name, ps_strategy, ps_cluster, tmp_pat
     (["ps.read_every=2", "train.steps_per_execution=2"],
      "ps.read_every = 2 is for ps.mode = async: each step of the synchronous loop reads the "
      "variables; set it to 1, or use ps.mode = async"),
+    (["ps.read_every=2"],  # not first told to raise train.steps_per_execution, refused too
+     "ps.read_every = 2 is for ps.mode = async: each step of the synchronous loop reads the "
+     "variables; set it to 1, or use ps.mode = async"),
     (["train.steps_per_execution=4"], "train.steps_per_execution = 4 runs 4 steps a scheduled "
      "closure; in ps.mode = sync a closure is one worker's contribution to an update the "
      "chief applies between closures: set it to 1, or use ps.mode = async"),

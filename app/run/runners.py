@@ -317,6 +317,16 @@ class AsyncPS(SingleHost):
                      "a resume; under {name} the workers' updates reach the ps tasks in "
                      "whatever order they finish, so no run repeats. Set it to false, or train "
                      "with MultiWorkerMirrored (no ps tasks)")
+        every, steps = self.config.ps.read_every, self.config.train.steps_per_execution
+        # A closure reads the variables at its first step, so m > k reads as m = k would,
+        # and at k = 1 (the default) every step reads whatever m says. Checked here, not
+        # with the config: a run without ps tasks, or a synchronous one, refuses m > 1
+        # itself, and the advice to raise k would lead only to that refusal.
+        self._refuse(every > steps,
+                     f"ps.read_every = {every} reads the variables once every {every} steps "
+                     "of a closure, and a closure runs train.steps_per_execution = "
+                     f"{steps}: set train.steps_per_execution to {every} or more, or "
+                     f"ps.read_every to {steps} or less")
         self._check_all_reduce_and_batch()
 
     def _straggler(self) -> stragglers.Straggler | None:
