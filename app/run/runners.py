@@ -473,27 +473,25 @@ class SyncPS(AsyncPS):
         self.training: sync_ps.SyncTraining | None = None  # once `build` made the model
 
     def check(self) -> None:
-        backup = self.config.ps.backup_workers
-        if backup >= self._workers:
-            raise ConfigError(f"ps.backup_workers = {backup} must be less than the number of "
-                              f"workers ({self._workers}): each update needs at least one "
-                              "gradient")
-        if self.config.ps.read_compression != "none":
-            raise ConfigError(f"ps.read_compression = {self.config.ps.read_compression} is "
-                              "for ps.mode = async: the synchronous loop reads the variables "
-                              "as float32; set it to none, or use ps.mode = async")
-        if self.config.ps.read_every != 1:
-            raise ConfigError(f"ps.read_every = {self.config.ps.read_every} is for ps.mode = "
-                              "async: each step of the synchronous loop reads the variables; "
-                              "set it to 1, or use ps.mode = async")
-        steps = self.config.train.steps_per_execution
-        if steps != 1:
-            # The chief applies each update between contributions (sync.fit), so a closure
-            # of several steps would wait inside itself for updates it holds back.
-            raise ConfigError(f"train.steps_per_execution = {steps} runs {steps} steps a "
-                              "scheduled closure; in ps.mode = sync a closure is one "
-                              "worker's contribution to an update the chief applies "
-                              "between closures: set it to 1, or use ps.mode = async")
+        backup, steps = self.config.ps.backup_workers, self.config.train.steps_per_execution
+        self._refuse(backup >= self._workers,
+                     f"ps.backup_workers = {backup} must be less than the number of workers "
+                     f"({self._workers}): each update needs at least one gradient")
+        self._refuse(self.config.ps.read_compression != "none",
+                     f"ps.read_compression = {self.config.ps.read_compression} is for "
+                     "ps.mode = async: the synchronous loop reads the variables as float32; "
+                     "set it to none, or use ps.mode = async")
+        self._refuse(self.config.ps.read_every != 1,
+                     f"ps.read_every = {self.config.ps.read_every} is for ps.mode = async: "
+                     "each step of the synchronous loop reads the variables; set it to 1, or "
+                     "use ps.mode = async")
+        # The chief applies each update between contributions (sync.fit), so a closure
+        # of several steps would wait inside itself for updates it holds back.
+        self._refuse(steps != 1,
+                     f"train.steps_per_execution = {steps} runs {steps} steps a scheduled "
+                     "closure; in ps.mode = sync a closure is one worker's contribution to an "
+                     "update the chief applies between closures: set it to 1, or use "
+                     "ps.mode = async")
         super().check()
         strategies.check_batch(self.config.train.global_batch_size, self.required,
                                "the workers each update waits for (workers - "
