@@ -166,30 +166,28 @@ def test_fp16_push_casts_on_the_worker_and_back_on_the_ps(ps_strategy):
     assert back and all(d == v.device for d in back), (back, v.device)
 
 
-@pytest.mark.parametrize("mode", ["async", "sync"])
-def test_deterministic_is_refused_under_parameter_servers(mode, ps_strategy, ps_cluster,
-                                                          tmp_path):
-    settings = config("train.deterministic=true", f"ps.mode={mode}")
+DETERMINISTIC = (
+    "train.deterministic = true repeats a synchronous run bit for bit across a resume; under "
+    "ParameterServerStrategy the workers' updates reach the ps tasks in whatever order they "
+    "finish, so no run repeats. Set it to false, or train with MultiWorkerMirrored (no ps "
+    "tasks)")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.deterministic=true", "ps.mode=async"], DETERMINISTIC),
+    (["train.deterministic=true", "ps.mode=sync"], DETERMINISTIC),
+    (["ps.read_every=4", "train.steps_per_execution=2"],
+     "ps.read_every = 4 reads the variables once every 4 steps of a closure, and a closure "
+     "runs train.steps_per_execution = 2: set train.steps_per_execution to 4 or more, or "
+     "ps.read_every to 2 or less"),
+])
+def test_settings_the_cluster_cannot_honour_are_refused_before_anything_is_written(
+        overrides, message, ps_strategy, ps_cluster, tmp_path):
+    settings = config(*overrides)
     with pytest.raises(cfg.ConfigError) as e:
         trainer.run(settings, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
                     task=tiny_task(settings))
-    assert str(e.value) == (
-        "train.deterministic = true repeats a synchronous run bit for bit across a resume; "
-        "under ParameterServerStrategy the workers' updates reach the ps tasks in whatever "
-        "order they finish, so no run repeats. Set it to false, or train with "
-        "MultiWorkerMirrored (no ps tasks)")
-    assert list(tmp_path.iterdir()) == []
-
-
-def test_reading_less_often_than_a_closure_runs_is_refused(ps_strategy, ps_cluster, tmp_path):
-    settings = config("ps.read_every=4", "train.steps_per_execution=2")
-    with pytest.raises(cfg.ConfigError) as e:
-        trainer.run(settings, tmp_path, strategy=ps_strategy, cluster=ps_cluster,
-                    task=tiny_task(settings))
-    assert str(e.value) == (
-        "ps.read_every = 4 reads the variables once every 4 steps of a closure, and a closure "
-        "runs train.steps_per_execution = 2: set train.steps_per_execution to 4 or more, or "
-        "ps.read_every to 2 or less")
+    assert str(e.value) == message
     assert list(tmp_path.iterdir()) == []
 
 
