@@ -209,7 +209,8 @@ class RuntimeConfig:
     # before they sleep (TensorFlow's default: less latency, more CPU); false: they
     # sleep at once, and leave the cores to the other tasks of a cluster that shares
     # them (ConfigProto's disable_thread_spinning; docs/benchmarks.md). Fixed when
-    # TensorFlow starts, as the thread counts are.
+    # TensorFlow starts, as the thread counts are. launch.local sets it to false
+    # unless given: its tasks share one host's cores.
     thread_spinning: bool = True
     # The memory each task may use, in GiB (0 = no limit): set in each task's
     # own process before TensorFlow starts, as RLIMIT_DATA (app/cluster/memory.py says
@@ -365,6 +366,20 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
     config = _build(tree)
     validate(config)
     return config
+
+
+def chosen(path: str | None = None, overrides: typing.Sequence[str] = ()) -> set[str]:
+    """The dotted keys (`runtime.thread_spinning`) that the TOML file at `path` and the
+    `key=value` overrides set, whatever their values: what a launcher's own defaults
+    must leave alone. Input that `load` would refuse is left for it to report: an
+    unreadable file sets nothing here."""
+    keys = {item.partition("=")[0].strip() for item in overrides}
+    try:
+        tree = _read_toml(path) if path else {}
+    except ConfigError:
+        tree = {}
+    return keys | {f"{section}.{key}" for section, values in tree.items()
+                   if isinstance(values, dict) for key in values}
 
 
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:

@@ -36,7 +36,8 @@ def cluster_spec(num_workers: int, num_ps: int, ports: Ports,
 
 
 def start_servers(spec: dict[str, list[str]]) -> None:
-    """Start every ps and worker server of `spec` in this process."""
+    """Start every ps and worker server of `spec` in this process, their thread pools
+    sleeping when idle: they share its cores (launch.local's tasks, `thread_settings`)."""
     import tensorflow as tf
 
     from app.cluster.serving import start_server
@@ -44,7 +45,7 @@ def start_servers(spec: dict[str, list[str]]) -> None:
     cluster = tf.train.ClusterSpec(spec)
     for job in ("ps", "worker"):
         for index in range(len(spec[job])):
-            start_server(cluster, job, index)
+            start_server(cluster, job, index, spinning=False)
     # The chief marks each server it has finished with (markers.tell_finished);
     # nobody here serves, and so nobody would remove the marks.
     atexit.register(remove_finished_markers, [a for job in ("ps", "worker") for a in spec[job]])

@@ -93,17 +93,29 @@ def intra_op_threads(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 
+def config_args(train_args: list[str]) -> argparse.Namespace:
+    """The tasks' `--config` (or None) and `--set` items (`.config`, `.set`)."""
+    known = argparse.ArgumentParser(add_help=False)
+    known.add_argument("--config")
+    known.add_argument("--set", action="append", default=[])
+    return known.parse_known_args(train_args)[0]
+
+
 def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
-    """`--set` thread pools so that the tasks sharing this host share its cores,
-    unless the arguments already choose them."""
+    """`--set` thread pools so that the tasks sharing this host share its cores, and
+    sleep rather than spin when idle, unless the arguments (`--set`, or the `--config`
+    file) already choose them."""
     settings = {"runtime.intra_op_threads": intra_op_threads(num_workers),
                 # Fewer than workers + 1 can deadlock a ps serving all workers at once.
-                "runtime.inter_op_threads": num_workers + 1}
-    out = []
-    for key, value in settings.items():
-        if not any(arg.startswith(key + "=") for arg in train_args):
-            out += ["--set", f"{key}={value}"]
-    return out
+                "runtime.inter_op_threads": num_workers + 1,
+                # A pool that spins for its next op takes the cores from the tasks
+                # beside it: never slower in the medians of docs/benchmarks.md, and
+                # a little less CPU in make test (docs/testing.md).
+                "runtime.thread_spinning": "false"}
+    given = config_args(train_args)
+    chosen = cfg.chosen(given.config, given.set)
+    return [arg for key, value in settings.items() if key not in chosen
+            for arg in ("--set", f"{key}={value}")]
 
 
 def start_tasks(args: argparse.Namespace, train_args: list[str]
@@ -260,10 +272,7 @@ def check_memory(args: argparse.Namespace, train_args: list[str]) -> int:
     this cluster shape against it, in a process of its own (it builds the model,
     which the launcher should not hold while the tasks run); 0, or 2 with the
     plan's error printed when a task's predicted peak exceeds the limit."""
-    known = argparse.ArgumentParser(add_help=False)
-    known.add_argument("--config")
-    known.add_argument("--set", action="append", default=[])
-    given, _ = known.parse_known_args(train_args)
+    given = config_args(train_args)
     try:
         limit = cfg.load(given.config, given.set).runtime.memory_limit_gib
     except cfg.ConfigError:

@@ -1,7 +1,9 @@
 """Shared test set-up.
 
 The CPU is split into two logical devices before any test touches
-TensorFlow, so MirroredStrategy has two replicas to work with in-process.
+TensorFlow, so MirroredStrategy has two replicas to work with in-process; and
+TensorFlow's thread pools sleep when idle rather than spin, as launch.local's
+tasks do: make test's runners share the two cores.
 """
 
 import json
@@ -18,7 +20,7 @@ from app import strategy
 from app.cluster import tf_config as clusters
 from app.tasks.mnist import Mnist
 
-strategy.split_cpu(2)
+strategy.configure_runtime(cfg.RuntimeConfig(cpu_devices=2, thread_spinning=False))
 
 # The test files that take longest, longest first (measured: docs/testing.md). `make
 # test`'s runners take the files in collection order (--no-loadscope-reorder):

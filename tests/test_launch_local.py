@@ -66,13 +66,22 @@ def test_evaluator_task_evaluates_the_chiefs_checkpoints(tmp_path):
     assert any((workdir / "eval" / "tensorboard").rglob("events.out.tfevents.*"))
 
 
-def test_thread_settings_share_the_cores_unless_chosen():
+def test_thread_settings_share_the_cores_unless_chosen(tmp_path):
     cores = os.cpu_count()
     assert local.thread_settings(2, []) == [
         "--set", f"runtime.intra_op_threads={max(1, cores // 2)}",
-        "--set", "runtime.inter_op_threads=3"]
+        "--set", "runtime.inter_op_threads=3", "--set", "runtime.thread_spinning=false"]
     assert local.thread_settings(2, ["--set", "runtime.intra_op_threads=4"]) == [
-        "--set", "runtime.inter_op_threads=3"]
+        "--set", "runtime.inter_op_threads=3", "--set", "runtime.thread_spinning=false"]
+    # A key the --config file sets is chosen too, whatever its value: the launcher's
+    # own --set, which comes first, would override the file.
+    toml = tmp_path / "run.toml"
+    toml.write_text("[runtime]\nthread_spinning = true\ninter_op_threads = 2\n")
+    assert local.thread_settings(2, ["--config", str(toml)]) == [
+        "--set", f"runtime.intra_op_threads={max(1, cores // 2)}"]
+    # An unreadable file is the tasks' to report (exit 2), not the launcher's.
+    assert local.thread_settings(2, ["--config", str(tmp_path / "missing.toml")]) == \
+        local.thread_settings(2, [])
 
 
 @pytest.mark.parametrize("codes, calls, result", [

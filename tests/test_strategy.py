@@ -124,12 +124,22 @@ def test_split_cpu_after_start_must_match():
 
 
 def test_thread_spinning_is_fixed_when_tensorflow_starts():
-    tf.constant(1)  # started, as in any test process, its pools spinning (TF's default)
-    strategies.configure_runtime(cfg.RuntimeConfig())  # as it started: fine
-    with pytest.raises(ConfigError, match="runtime.thread_spinning = false, but TensorFlow "
-                                          "already started with its thread pools spinning; "
-                                          "set it before any TensorFlow op runs"):
-        strategies.configure_runtime(cfg.RuntimeConfig(thread_spinning=False))
+    # In a process of its own: this one's pools were set to sleep before it started
+    # (conftest), which asking for it again does not refuse.
+    code = ("import tensorflow as tf\n"
+            "from app import config, strategy\n"
+            "tf.constant(1)\n"  # started, its pools spinning (TensorFlow's default)
+            "strategy.configure_runtime(config.RuntimeConfig())\n"  # as it started: fine
+            "try:\n"
+            "    strategy.configure_runtime(config.RuntimeConfig(thread_spinning=False))\n"
+            "except config.ConfigError as e:\n"
+            "    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=300)
+    assert result.stdout.strip() == ("runtime.thread_spinning = false, but TensorFlow already "
+                                     "started with its thread pools spinning; set it before "
+                                     "any TensorFlow op runs"), result.stderr
+    strategies.configure_runtime(cfg.RuntimeConfig(thread_spinning=False))  # as it started
 
 
 def test_thread_spinning_off_reaches_the_config_every_strategy_makes_its_servers_from():

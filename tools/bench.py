@@ -87,8 +87,10 @@ _FP16_BOTH = ("ps.compression=fp16", "ps.read_compression=fp16")
 _NOSPIN = "runtime.thread_spinning=false"
 
 # The settings every row starts from; rows and --set may change them.
+# Spinning, as TensorFlow's default and one process's: launch.local's tasks would
+# not spin otherwise (launch/local.py, thread_settings); the `nospin` rows turn it off.
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
-         "train.jit_compile=false", "train.steps_per_execution=1")
+         "train.jit_compile=false", "train.steps_per_execution=1", "runtime.thread_spinning=true")
 
 
 def _project_defaults() -> tuple[str, ...]:
