@@ -20,7 +20,10 @@ from app import strategy
 from app.cluster import tf_config as clusters
 from app.tasks.mnist import Mnist
 
-strategy.configure_runtime(cfg.RuntimeConfig(cpu_devices=2, thread_spinning=False))
+try:
+    strategy.configure_runtime(cfg.RuntimeConfig(cpu_devices=2, thread_spinning=False))
+except cfg.ConfigError:  # imported by a script whose TensorFlow has started (a
+    strategy.split_cpu(2)  # MultiWorkerMirrored worker): its pools stay as they started
 
 # The test files that take longest, longest first (measured: docs/testing.md). `make
 # test`'s runners take the files in collection order (--no-loadscope-reorder):
