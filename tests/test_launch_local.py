@@ -84,6 +84,20 @@ def test_thread_settings_share_the_cores_unless_chosen(tmp_path):
         local.thread_settings(2, [])
 
 
+def test_the_in_process_clusters_servers_sleep_when_idle(monkeypatch):
+    # make local-cluster's servers share one process's cores, as launch.local's tasks
+    # share a host's (thread_settings above).
+    from app.cluster import serving
+    from launch import inprocess
+
+    started = []
+    monkeypatch.setattr(serving, "start_server", lambda spec, job, index, **kwargs:
+                        started.append((job, index, kwargs)))
+    inprocess.start_servers({"ps": ["localhost:1"], "worker": ["localhost:2", "localhost:3"]})
+    assert started == [("ps", 0, {"spinning": False}), ("worker", 0, {"spinning": False}),
+                       ("worker", 1, {"spinning": False})]
+
+
 @pytest.mark.parametrize("codes, calls, result", [
     ([PREEMPTED, 0], 2, 0),        # preempted with the backup saved: relaunched, resumes
     ([LOST, PREEMPTED, LOST], 3, LOST),  # lost tasks: relaunched until --max-restarts runs out
