@@ -8,6 +8,7 @@ into exit code 2 with the message alone.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import json
@@ -366,6 +367,16 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
     config = _build(tree)
     validate(config)
     return config
+
+
+def sources(argv: typing.Sequence[str]) -> tuple[str | None, list[str]]:
+    """The `--config` path (or None) and the `--set` items of an `app.train` command
+    line, the rest ignored: what a launcher reads of the arguments it hands on."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--config")
+    parser.add_argument("--set", action="append", default=[])
+    given = parser.parse_known_args(list(argv))[0]
+    return given.config, given.set
 
 
 def chosen(path: str | None = None, overrides: typing.Sequence[str] = ()) -> set[str]:

@@ -93,14 +93,6 @@ def intra_op_threads(num_workers: int) -> int:
     return max(1, (os.cpu_count() or 1) // num_workers)
 
 
-def config_args(train_args: list[str]) -> argparse.Namespace:
-    """The tasks' `--config` (or None) and `--set` items (`.config`, `.set`)."""
-    known = argparse.ArgumentParser(add_help=False)
-    known.add_argument("--config")
-    known.add_argument("--set", action="append", default=[])
-    return known.parse_known_args(train_args)[0]
-
-
 def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
     """`--set` thread pools so that the tasks sharing this host share its cores, and
     sleep rather than spin when idle, unless the arguments (`--set`, or the `--config`
@@ -112,8 +104,7 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
                 # beside it: never slower in the medians of docs/benchmarks.md, and
                 # a little less CPU in make test (docs/testing.md).
                 "runtime.thread_spinning": "false"}
-    given = config_args(train_args)
-    chosen = cfg.chosen(given.config, given.set)
+    chosen = cfg.chosen(*cfg.sources(train_args))
     return [arg for key, value in settings.items() if key not in chosen
             for arg in ("--set", f"{key}={value}")]
 
@@ -272,17 +263,17 @@ def check_memory(args: argparse.Namespace, train_args: list[str]) -> int:
     this cluster shape against it, in a process of its own (it builds the model,
     which the launcher should not hold while the tasks run); 0, or 2 with the
     plan's error printed when a task's predicted peak exceeds the limit."""
-    given = config_args(train_args)
+    path, overrides = cfg.sources(train_args)
     try:
-        limit = cfg.load(given.config, given.set).runtime.memory_limit_gib
+        limit = cfg.load(path, overrides).runtime.memory_limit_gib
     except cfg.ConfigError:
         return 0  # every task reports it, with exit code 2
     if not limit:
         return 0
     command = [sys.executable, "-m", "tools.plan", "--ps", str(args.ps),
                "--workers", str(args.workers)]
-    command += [arg for s in given.set for arg in ("--set", s)]
-    command += ["--config", given.config] if given.config else []
+    command += [arg for s in overrides for arg in ("--set", s)]
+    command += ["--config", path] if path else []
     done = subprocess.run(command, capture_output=True, text=True,
                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if done.returncode:

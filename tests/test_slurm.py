@@ -240,12 +240,18 @@ def test_a_port_in_use_is_named_with_the_flag_that_moves_it():
             local_cluster.check_port(port, "--ctld-port")
 
 
-def test_thread_pools_follow_the_tasks_cpus_unless_set():
+def test_thread_pools_follow_the_tasks_cpus_unless_set(tmp_path):
     config = slurm.tf_config(env(0), num_ps=1, port=2222)  # 2 workers
     cpus = {**env(0), "SLURM_CPUS_PER_TASK": "2"}
     assert slurm.thread_settings(cpus, config, []) == [
         "--set", "runtime.inter_op_threads=3", "--set", "runtime.intra_op_threads=2"]
     assert slurm.thread_settings(cpus, config, ["--set", "runtime.intra_op_threads=1"]) == [
+        "--set", "runtime.inter_op_threads=3"]
+    # A key the --config file sets is chosen too: the launcher's own --set, which
+    # comes first, would override the file's value.
+    toml = tmp_path / "run.toml"
+    toml.write_text("[runtime]\nintra_op_threads = 1\n")
+    assert slurm.thread_settings(cpus, config, ["--config", str(toml), "--workdir", "w"]) == [
         "--set", "runtime.inter_op_threads=3"]
 
 

@@ -151,17 +151,20 @@ def tf_config(env: Mapping[str, str], num_ps: int, port: int, data_workers: int 
 
 
 def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str]) -> list[str]:
-    """`--set` thread pools as launch.local chooses them, unless the arguments do.
+    """`--set` thread pools as launch.local chooses them, unless the arguments (`--set`,
+    or the `--config` file) already choose them.
 
     Without cgroups a task sees every core of its node and TensorFlow would size
     its op pool for all of them, in each of the node's tasks: one op's threads
     are the task's SLURM_CPUS_PER_TASK instead. And fewer than workers + 1 ops
     at once can deadlock a ps serving every worker (as in launch.local)."""
+    from app import config as cfg
+
     settings = {"runtime.inter_op_threads": len(config["cluster"].get("worker", [])) + 1}
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
-    return [arg for key, value in settings.items()
-            if not any(a.startswith(key + "=") for a in train_args)
+    chosen = cfg.chosen(*cfg.sources(train_args))
+    return [arg for key, value in settings.items() if key not in chosen
             for arg in ("--set", f"{key}={value}")]
 
 
