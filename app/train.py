@@ -59,6 +59,25 @@ def setup_logging(label: str) -> None:
     handler.setFormatter(logging.Formatter(f"[{label}] %(levelname)s %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     log.setLevel(logging.INFO)
+    # TensorFlow gives its logger a handler of its own when it starts before the root
+    # logger has one (`make local-cluster` starts its servers first, launch.inprocess),
+    # and the logger passes its records on to the root's too: each of its warnings
+    # printed twice. Through the root's alone, once, with the task's label.
+    tensorflow_log = logging.getLogger("tensorflow")
+    for own in list(tensorflow_log.handlers):
+        tensorflow_log.removeHandler(own)
+    tensorflow_log.addFilter(_by_design_retracing)
+
+
+def _by_design_retracing(record: logging.LogRecord) -> bool:
+    """False for TensorFlow's retracing warning about its own checkpoint reader and
+    writer. `MultiDeviceSaver.save` and `.restore` trace a new function on every call
+    whose variables live on several tasks, by design (TF 2.21 functional_saver.py:
+    "the retrace is needed"), so from the fifth checkpoint of a parameter-server run
+    on TensorFlow warned of "excessive" retracing and told the user to move a
+    tf.function out of a loop that is its own."""
+    message = record.getMessage()
+    return not ("retracing" in message and "MultiDeviceSaver." in message)
 
 
 def role(cluster: clusters.Cluster | None) -> str:

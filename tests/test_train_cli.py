@@ -114,6 +114,22 @@ def test_an_unknown_task_or_strategy_is_named_before_tensorflow_starts():
         assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
 
 
+@pytest.mark.slow
+def test_tensorflows_warnings_print_once_with_the_tasks_label_when_it_started_first():
+    # As in make local-cluster: TensorFlow imported (its servers started) before the
+    # chief sets up logging. Its warning about its own checkpoint writer's retracing,
+    # which blames the user's code, is left out.
+    saver = ("5 out of the last 5 calls to <function MultiDeviceSaver.save.<locals>."
+             "tf_function_save at 0x7f> triggered tf.function retracing.")
+    result = subprocess.run(
+        [sys.executable, "-c", "import tensorflow as tf\nfrom app import train\n"
+         "train.setup_logging('chief:0')\ntf.get_logger().warning('retracing, say')\n"
+         f"tf.get_logger().warning({saver!r})"],
+        capture_output=True, text=True, timeout=120)
+    said = [line for line in result.stderr.splitlines() if "retracing" in line]
+    assert said == ["[chief:0] WARNING retracing, say"], result.stderr
+
+
 def test_a_failed_export_ends_a_trained_run_with_one_line_and_exit_6(tmp_path):
     workdir = tmp_path / "w"
     result = run_cli("--set", "task.name=zoo_keras3:UnexportableModel", "--set", "train.epochs=1",
