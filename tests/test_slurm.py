@@ -255,6 +255,17 @@ def test_thread_pools_follow_the_tasks_cpus_unless_set(tmp_path):
         "--set", "runtime.inter_op_threads=3"]
 
 
+def test_tasks_that_share_a_node_sleep_when_idle_unless_set():
+    # 2 nodes, 2 tasks each (chief and ps on n1), and 4 nodes of one task each.
+    shared = slurm.tf_config(env(3, "n[1-2]", "2(x2)"), num_ps=1, port=2222)
+    spinning = "runtime.thread_spinning=false"
+    assert spinning in slurm.thread_settings(env(3), shared, [])
+    alone = slurm.tf_config(env(3), num_ps=1, port=2222)
+    assert spinning not in slurm.thread_settings(env(3), alone, [])
+    assert slurm.thread_settings(env(3), shared, ["--set", "runtime.thread_spinning=true"]) == [
+        "--set", "runtime.inter_op_threads=3"]
+
+
 def test_the_local_cluster_signals_only_the_daemons_it_started(tmp_path):
     from launch.slurm import local_cluster
 

@@ -156,16 +156,29 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
 
     Without cgroups a task sees every core of its node and TensorFlow would size
     its op pool for all of them, in each of the node's tasks: one op's threads
-    are the task's SLURM_CPUS_PER_TASK instead. And fewer than workers + 1 ops
-    at once can deadlock a ps serving every worker (as in launch.local)."""
+    are the task's SLURM_CPUS_PER_TASK instead. Fewer than workers + 1 ops at once
+    can deadlock a ps serving every worker (as in launch.local). And the tasks that
+    share a node sleep rather than spin when idle, as launch.local's tasks do: a
+    pool spinning for its next op takes a core from a task beside it."""
     from app import config as cfg
 
     settings = {"runtime.inter_op_threads": len(config["cluster"].get("worker", [])) + 1}
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
+    if _shares_its_node(config):
+        settings["runtime.thread_spinning"] = "false"
     chosen = cfg.chosen(*cfg.sources(train_args))
     return [arg for key, value in settings.items() if key not in chosen
             for arg in ("--set", f"{key}={value}")]
+
+
+def _shares_its_node(config: dict) -> bool:
+    """Whether another task of the cluster listens on this task's host."""
+    def host(address: str) -> str:
+        return address.rpartition(":")[0]
+
+    mine = host(config["cluster"][config["task"]["type"]][config["task"]["index"]])
+    return sum(host(a) == mine for members in config["cluster"].values() for a in members) > 1
 
 
 def _workdir(train_args: list[str]) -> str:
