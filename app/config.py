@@ -278,6 +278,12 @@ class PSConfig:
     # see the weights rounded to float16, and the update is applied to the float32
     # variables on the ps tasks. No staleness beyond async's own. "none": float32.
     read_compression: str = field("none", choices=("none", "fp16"))
+    # In the project's loop (as read_every): a closure's train.steps_per_execution
+    # steps traced one after another, rather than as a loop that the ps tasks run an
+    # iteration at a time: faster (docs/benchmarks.md), but a closure's function takes
+    # that many times as long to trace, once for each number of steps a closure runs
+    # (an epoch's last may run fewer). false: a loop, traced once.
+    unroll: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

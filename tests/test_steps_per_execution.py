@@ -99,10 +99,12 @@ def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
 
 
 @pytest.mark.cluster
-def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster, tmp_path,
-                                                        monkeypatch):
+@pytest.mark.parametrize("unroll", [True, False])
+def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, ps_strategy, ps_cluster,
+                                                        tmp_path, monkeypatch):
     # The numbered task counts each example's visits on the ps: 2 epochs of 32 steps at 5
-    # a closure (the last of an epoch 2) visit each of its 512 examples twice.
+    # a closure (the last of an epoch 2) visit each of its 512 examples twice, the
+    # steps unrolled (ps.unroll) or as a loop.
     from app.distribute.ps import coordinated
 
     closures, by_index = [], coordinated._by_index
@@ -118,7 +120,7 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(ps_strategy, ps_cluster,
     monkeypatch.setattr(coordinated, "_by_index", recorded)
     config = cfg.load(None, ["task.name=tests.numbered:IndexedNumbered", "task.examples=512",
                              "train.epochs=2", "train.global_batch_size=16", "train.verbose=0",
-                             "train.steps_per_execution=5"])
+                             "train.steps_per_execution=5", f"ps.unroll={str(unroll).lower()}"])
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster)
     assert closures == [(epoch * 32 + step, min(5, 32 - step))
                         for epoch in range(2) for step in range(0, 32, 5)]
@@ -131,13 +133,17 @@ READS = [(1, False), (2, False), (3, False), (1, True), (3, True)]
 
 
 @pytest.mark.cluster
+@pytest.mark.parametrize("unrolled", [True, False])
 @pytest.mark.parametrize("every, half", READS)
-def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half,
+def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half, unrolled,
                                                                         ps_strategy):
     # Three SGD steps with momentum in one closure on a worker, the variable read once
     # every `every` steps (ps.read_every), as float16 with `half` (ps.read_compression):
     # each step's gradient is the one at the weights of the last read, rounded to float16
-    # with `half`, and the momentum (a slot, on the ps) still goes on step by step.
+    # with `half`, and the momentum (a slot, on the ps) still goes on step by step. The
+    # same whether the steps are traced one after another (`unrolled`, ps.unroll: each
+    # read after the updates before it only by TensorFlow's ordering of a function's
+    # ops on one variable) or as a loop.
     import tf_keras
 
     from app.distribute.ps import coordinated
@@ -163,7 +169,8 @@ def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, h
 
     @tf.function
     def closure():
-        coordinated._loop(tf.constant(3), step, variables=[w], every=every, half=half)
+        coordinated._loop(3 if unrolled else tf.constant(3), step, variables=[w], every=every,
+                          half=half)
 
     coordinator.schedule(closure)
     coordinator.join()

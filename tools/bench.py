@@ -89,8 +89,10 @@ _NOSPIN = "runtime.thread_spinning=false"
 # The settings every row starts from; rows and --set may change them.
 # Spinning, as TensorFlow's default and one process's: launch.local's tasks would
 # not spin otherwise (launch/local.py, thread_settings); the `nospin` rows turn it off.
+# A closure's steps as a loop, as before ps.unroll: the `unroll` rows unroll them.
 PLAIN = ("runtime.onednn=false", "runtime.cpu_allocator=malloc", "train.precision=float32",
-         "train.jit_compile=false", "train.steps_per_execution=1", "runtime.thread_spinning=true")
+         "train.jit_compile=false", "train.steps_per_execution=1", "runtime.thread_spinning=true",
+         "ps.unroll=false")
 
 
 def _project_defaults() -> tuple[str, ...]:
@@ -197,6 +199,9 @@ ROWS: dict[str, Row] = {
         "ps_2w2p_spe8_fp16_both, no task's thread pools spinning "
         "(runtime.thread_spinning=false)",
         _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, _NOSPIN)),
+    "ps_2w2p_spe8_fp16_both_nospin_unroll": Row(
+        "ps_2w2p_spe8_fp16_both_nospin, a closure's steps unrolled (ps.unroll=true)",
+        _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, _NOSPIN, "ps.unroll=true")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",

@@ -150,7 +150,8 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
                     workers: int = 1, steps_per_execution: int = 1, read_every: int = 1,
-                    read_compression: str = "none") -> keras.callbacks.History:
+                    read_compression: str = "none", unroll: bool = True
+                    ) -> keras.callbacks.History:
     if reading is None:
         if read_every > 1 or read_compression != "none":
             log.warning("ps.read_every and ps.read_compression apply to the project's loop "
@@ -163,7 +164,7 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                            verbose=verbose, reading=reading, with_worker=with_worker,
                            workers=workers, steps_per_execution=steps_per_execution,
                            read_every=read_every, read_compression=read_compression,
-                           variables=model.trainable_variables,
+                           unroll=unroll, variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

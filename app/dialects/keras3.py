@@ -168,7 +168,8 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
                     workers: int = 1, steps_per_execution: int = 1, read_every: int = 1,
-                    read_compression: str = "none") -> keras.callbacks.History:
+                    read_compression: str = "none", unroll: bool = True
+                    ) -> keras.callbacks.History:
     """The project's loop on the coordinator (Keras 3's fit has none)."""
     trainable = [tf_variable(v) for v in model.trainable_variables]
     return coordinated.fit(model, built.train, coordinator, keras, epochs=epochs,
@@ -177,7 +178,7 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
                            with_worker=with_worker, workers=workers,
                            steps_per_execution=steps_per_execution,
                            read_every=read_every, read_compression=read_compression,
-                           variables=trainable,
+                           unroll=unroll, variables=trainable,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

@@ -428,7 +428,7 @@ class AsyncPS(SingleHost):
             with_worker=self.straggler is not None, workers=self._workers,
             steps_per_execution=self.config.train.steps_per_execution,
             read_every=self.config.ps.read_every,
-            read_compression=self.config.ps.read_compression)
+            read_compression=self.config.ps.read_compression, unroll=self.config.ps.unroll)
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is

@@ -79,7 +79,7 @@ def given(train_args: list[str]) -> str | None:
 HOW_NOT_WHAT = frozenset({
     "data.service", "runtime.intra_op_threads", "runtime.inter_op_threads",
     "runtime.memory_limit_gib", "runtime.cpu_allocator", "runtime.gpu_device_memory_mib",
-    "runtime.thread_spinning"})
+    "runtime.thread_spinning", "ps.unroll"})
 
 
 def finished(path: pathlib.Path) -> bool:

@@ -73,7 +73,8 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
         with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
-        read_every: int = 1, read_compression: str = "none", variables: list | None = None):
+        read_every: int = 1, read_compression: str = "none", unroll: bool = True,
+        variables: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
     step), `steps_per_execution` of them in each closure scheduled on a free worker
     (fewer at an epoch's end), each batch read by index (`reading`) or from the
@@ -83,15 +84,19 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     `with_worker`: the batch also carries the index of the worker that trains on it (a
     straggler's train step needs it). `workers`: how many there are. `variables`: the
     model's, which a closure's steps read from the ps tasks once every `read_every`
-    of them, as float16 with `read_compression` "fp16" (`tf_internal.variable_reads`)."""
+    of them, as float16 with `read_compression` "fp16" (`tf_internal.variable_reads`).
+    `unroll`: a closure's steps traced one after another (ps.unroll), not as a loop."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
     loop = functools.partial(_loop, variables=variables,
                              every=read_every if steps_per_execution > 1 else 1,
                              half=read_compression == "fp16")
-    schedule = (_by_index(train, coordinator, *reading, with_worker, loop) if reading
-                else _by_iterator(train, coordinator, dataset_fn, loop))
+    # A closure's number of steps: a Python int traces them one after another (`_loop`),
+    # once for each number a closure runs; a tensor, as a loop traced once.
+    count_arg = int if unroll else (lambda count: tf.constant(count, tf.int64))
+    schedule = (_by_index(train, coordinator, *reading, with_worker, loop, count_arg)
+                if reading else _by_iterator(train, coordinator, dataset_fn, loop, count_arg))
     history = keras.callbacks.History()
     callback_list = keras.callbacks.CallbackList(
         [*callbacks, history], add_progbar=verbose != 0, model=model, epochs=epochs,
@@ -137,26 +142,32 @@ def failure_behind(coordinator, error: BaseException) -> BaseException:
     return error
 
 
-def _loop(count: tf.Tensor, step: Callable[[tf.Tensor], Any], variables: list | None,
-          every: int, half: bool = False) -> None:
-    """`step(i)` for i in range(count), in a closure's traced function; with `every` >
-    1, in runs of `every` steps that each read `variables` from the ps tasks once;
-    with `half`, each read of them crosses as float16."""
+def _loop(count: int | tf.Tensor, step: Callable[[int | tf.Tensor], Any],
+          variables: list | None, every: int, half: bool = False) -> None:
+    """`step(i)` for i in range(count), in a closure's traced function: one step after
+    another for a Python int `count`, as a loop for a tensor; with `every` > 1, in
+    runs of `every` steps that each read `variables` from the ps tasks once; with
+    `half`, each read of them crosses as float16.
+
+    Unrolled, the steps' updates and the reads after them are ordered as in the loop:
+    TensorFlow orders a function's ops on the same variable as they were traced."""
+    unrolled = isinstance(count, int)
+    steps, least = (range, min) if unrolled else (tf.range, tf.minimum)
     if every > 1 and variables:
-        for start in tf.range(0, count, every):
+        for start in steps(0, count, every):
             with tf_internal.variable_reads(variables, half=half):  # read where this run begins
-                for i in tf.range(start, tf.minimum(start + every, count)):
+                for i in steps(start, least(start + every, count)):
                     step(i)
         return
     # Every step reads: as float16 with `half`, else as TensorFlow does.
     reads = (tf_internal.variable_reads(variables, cache=False, half=True) if half and variables
              else contextlib.nullcontext())
     with reads:
-        for i in tf.range(count):
+        for i in steps(count):
             step(i)
 
 
-def _by_iterator(train, coordinator, dataset_fn, loop) -> Schedule:
+def _by_iterator(train, coordinator, dataset_fn, loop, count_arg) -> Schedule:
     strategy = coordinator.strategy
     iterator = iter(coordinator.create_per_worker_dataset(
         lambda: strategy.distribute_datasets_from_function(dataset_fn)))
@@ -168,12 +179,11 @@ def _by_iterator(train, coordinator, dataset_fn, loop) -> Schedule:
 
         loop(count, step)
 
-    return lambda first, count: coordinator.schedule(
-        steps, args=(iterator, tf.constant(count, tf.int64)))
+    return lambda first, count: coordinator.schedule(steps, args=(iterator, count_arg(count)))
 
 
 def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
-              with_worker: bool, loop) -> Schedule:
+              with_worker: bool, loop, count_arg) -> Schedule:
     strategy = coordinator.strategy
     # What `source.read` reads from, made once on each worker: a per-worker iterator
     # whose every element is the same, so it has no position to lose.
@@ -194,7 +204,7 @@ def _by_index(train, coordinator, source: indexed.Source, order: indexed.Order,
         loop(count, step)
 
     return lambda first, count: coordinator.schedule(
-        steps, args=(tf.constant(first, tf.int64), tf.constant(count, tf.int64), loaded))
+        steps, args=(tf.constant(first, tf.int64), count_arg(count), loaded))
 
 
 # Steps scheduled ahead of the oldest closure still running, per worker: enough to
