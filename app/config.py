@@ -211,7 +211,8 @@ class RuntimeConfig:
     # sleep at once, and leave the cores to the other tasks of a cluster that shares
     # them (ConfigProto's disable_thread_spinning; docs/benchmarks.md). Fixed when
     # TensorFlow starts, as the thread counts are. launch.local sets it to false
-    # unless given: its tasks share one host's cores.
+    # unless given: its tasks share one host's cores; launch.slurm too, for the tasks
+    # that share a node.
     thread_spinning: bool = True
     # The memory each task may use, in GiB (0 = no limit): set in each task's
     # own process before TensorFlow starts, as RLIMIT_DATA (app/cluster/memory.py says
@@ -280,7 +281,8 @@ class PSConfig:
     read_compression: str = field("none", choices=("none", "fp16"))
     # In the project's loop (as read_every): a closure's train.steps_per_execution
     # steps traced one after another, rather than as a loop that the ps tasks run an
-    # iteration at a time: faster (docs/benchmarks.md), but a closure's function takes
+    # iteration at a time (at 8 steps and batch 32: 1.02 times as fast in one run, the
+    # ps tasks with 11% less CPU; docs/benchmarks.md), but a closure's function takes
     # that many times as long to trace, once for each number of steps a closure runs
     # (an epoch's last may run fewer). false: a loop, traced once.
     unroll: bool = True
@@ -522,6 +524,9 @@ def _read_toml(path: str) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError:
         raise ConfigError(f"--config {path}: no such file") from None
+    except OSError as e:  # a directory, no permission to read it
+        raise ConfigError(f"--config {path}: cannot be read ({e.strerror}); give a TOML "
+                          "file's path") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"--config {path}: not valid TOML: {e}") from None
 

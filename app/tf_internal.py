@@ -222,7 +222,9 @@ def _cached_read_value(self):
         return self._v.read_value()  # read as usual, every time
     value = state.values.get(id(self)) if state.cache else None
     if value is None:
-        # Cached: made in the closure's graph, before its loop of steps (the one read).
+        # Cached: made in the closure's graph, before its loop of steps (the one read);
+        # with the steps unrolled (ps.unroll), where the run's first step reads, after
+        # the updates before it (TensorFlow orders ops on one variable as traced).
         where = state.graph.as_default() if state.cache else contextlib.nullcontext()
         with record.stop_recording(), where:
             if state.half and self.dtype == tf.float32:

@@ -65,6 +65,10 @@ def test_bad_overrides_name_the_field_and_fix(override, message):
 def test_bad_files_are_explained(tmp_path):
     with pytest.raises(cfg.ConfigError, match="--config nope.toml: no such file"):
         cfg.load("nope.toml")
+    # A directory: a launcher that reads the file (cfg.chosen) must not die of it either.
+    with pytest.raises(cfg.ConfigError, match=f"--config {tmp_path}: cannot be read"):
+        cfg.load(str(tmp_path))
+    assert cfg.chosen(str(tmp_path), ["train.epochs=1"]) == {"train.epochs"}
     bad = tmp_path / "bad.toml"
     bad.write_text("[train\n")
     with pytest.raises(cfg.ConfigError, match="not valid TOML"):

@@ -256,14 +256,19 @@ def test_thread_pools_follow_the_tasks_cpus_unless_set(tmp_path):
 
 
 def test_tasks_that_share_a_node_sleep_when_idle_unless_set():
-    # 2 nodes, 2 tasks each (chief and ps on n1), and 4 nodes of one task each.
-    shared = slurm.tf_config(env(3, "n[1-2]", "2(x2)"), num_ps=1, port=2222)
     spinning = "runtime.thread_spinning=false"
-    assert spinning in slurm.thread_settings(env(3), shared, [])
-    alone = slurm.tf_config(env(3), num_ps=1, port=2222)
-    assert spinning not in slurm.thread_settings(env(3), alone, [])
-    assert slurm.thread_settings(env(3), shared, ["--set", "runtime.thread_spinning=true"]) == [
+    # 2 nodes, 2 tasks each; 4 nodes of one task each.
+    shared, alone = env(3, "n[1-2]", "2(x2)"), env(3)
+    config = slurm.tf_config(shared, num_ps=1, port=2222)
+    assert spinning in slurm.thread_settings(shared, config, [])
+    assert spinning not in slurm.thread_settings(alone, slurm.tf_config(alone, 1, 2222), [])
+    assert slurm.thread_settings(shared, config, ["--set", "runtime.thread_spinning=true"]) == [
         "--set", "runtime.inter_op_threads=3"]
+    # The only training task, beside the tf.data service's dispatcher on its node.
+    beside_service = env(0, "n[1-2]", "2,1")
+    config = slurm.tf_config(beside_service, num_ps=0, port=2222, data_workers=1)
+    assert config["cluster"] == {"worker": ["n1:2222"]}
+    assert spinning in slurm.thread_settings(beside_service, config, [])
 
 
 def test_the_local_cluster_signals_only_the_daemons_it_started(tmp_path):

@@ -107,10 +107,11 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, ps_strategy, ps_
     # steps unrolled (ps.unroll) or as a loop.
     from app.distribute.ps import coordinated
 
-    closures, by_index = [], coordinated._by_index
+    closures, counts_as, by_index = [], [], coordinated._by_index
 
     def recorded(*args, **kwargs):
         schedule = by_index(*args, **kwargs)
+        counts_as.append(args[-1])  # how a closure's count reaches its function
 
         def record(first: int, count: int):
             closures.append((first, count))
@@ -124,6 +125,8 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, ps_strategy, ps_
     metrics = trainer.run(config, tmp_path, strategy=ps_strategy, cluster=ps_cluster)
     assert closures == [(epoch * 32 + step, min(5, 32 - step))
                         for epoch in range(2) for step in range(0, 32, 5)]
+    # A Python int unrolls the steps (coordinated._loop); a tensor loops.
+    assert len(counts_as) == 1 and isinstance(counts_as[0](5), int) == unroll
     assert metrics["steps"] == 64
     assert (metrics["visits_min"], metrics["visits_max"]) == (2, 2)
 

@@ -73,7 +73,8 @@ def given(train_args: list[str]) -> str | None:
 # on a new port; a launcher sets the thread counts per host (launch.local: cores /
 # workers, workers + 1), so a run resumed on fewer workers gets other ones; the
 # memory limit, the CPU allocator and a logical GPU's memory bound what a process
-# may hold, not what it computes; spinning threads change how soon an op starts.
+# may hold, not what it computes; spinning threads change how soon an op starts; a
+# closure's steps unrolled (ps.unroll) or looped are the same steps in the same order.
 # Not runtime.onednn (other kernels, other rounding) nor cpu_devices / gpu_devices
 # (the number of replicas of a Mirrored run).
 HOW_NOT_WHAT = frozenset({

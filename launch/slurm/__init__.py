@@ -165,20 +165,19 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
     settings = {"runtime.inter_op_threads": len(config["cluster"].get("worker", [])) + 1}
     if env.get("SLURM_CPUS_PER_TASK", "").isdigit():
         settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
-    if _shares_its_node(config):
+    if _shares_its_node(env):
         settings["runtime.thread_spinning"] = "false"
     chosen = cfg.chosen(*cfg.sources(train_args))
     return [arg for key, value in settings.items() if key not in chosen
             for arg in ("--set", f"{key}={value}")]
 
 
-def _shares_its_node(config: dict) -> bool:
-    """Whether another task of the cluster listens on this task's host."""
-    def host(address: str) -> str:
-        return address.rpartition(":")[0]
-
-    mine = host(config["cluster"][config["task"]["type"]][config["task"]["index"]])
-    return sum(host(a) == mine for members in config["cluster"].values() for a in members) > 1
+def _shares_its_node(env: Mapping[str, str]) -> bool:
+    """Whether another task of the step runs on this task's node: a training task, or
+    the tf.data service's (which the cluster leaves out)."""
+    rank, addresses = addresses_of(env, 0)
+    hosts = [address.rpartition(":")[0] for address in addresses]
+    return hosts.count(hosts[rank]) > 1
 
 
 def _workdir(train_args: list[str]) -> str:
