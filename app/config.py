@@ -401,6 +401,14 @@ def chosen(path: str | None = None, overrides: typing.Sequence[str] = ()) -> set
                    if isinstance(values, dict) for key in values}
 
 
+def unless_chosen(settings: Mapping[str, Any], argv: typing.Sequence[str]) -> list[str]:
+    """`--set key=value` for each of a launcher's own `settings` that the `app.train`
+    command line `argv` does not choose (`chosen`, in its `--config` file or `--set`s)."""
+    given = chosen(*sources(argv))
+    return [arg for key, value in settings.items() if key not in given
+            for arg in ("--set", f"{key}={value}")]
+
+
 def to_dict(config: Config) -> dict[str, dict[str, Any]]:
     """{section: {key: value}}, with the task's parameters inside [task] beside its name."""
     tree = {f.name: dataclasses.asdict(getattr(config, f.name))

@@ -104,9 +104,7 @@ def thread_settings(num_workers: int, train_args: list[str]) -> list[str]:
                 # beside it: never slower in the medians of docs/benchmarks.md, and
                 # a little less CPU in make test (docs/testing.md).
                 "runtime.thread_spinning": "false"}
-    chosen = cfg.chosen(*cfg.sources(train_args))
-    return [arg for key, value in settings.items() if key not in chosen
-            for arg in ("--set", f"{key}={value}")]
+    return cfg.unless_chosen(settings, train_args)
 
 
 def start_tasks(args: argparse.Namespace, train_args: list[str]

@@ -167,9 +167,7 @@ def thread_settings(env: Mapping[str, str], config: dict, train_args: list[str])
         settings["runtime.intra_op_threads"] = int(env["SLURM_CPUS_PER_TASK"])
     if _shares_its_node(env):
         settings["runtime.thread_spinning"] = "false"
-    chosen = cfg.chosen(*cfg.sources(train_args))
-    return [arg for key, value in settings.items() if key not in chosen
-            for arg in ("--set", f"{key}={value}")]
+    return cfg.unless_chosen(settings, train_args)
 
 
 def _shares_its_node(env: Mapping[str, str]) -> bool:
