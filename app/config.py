@@ -284,7 +284,9 @@ class PSConfig:
     # iteration at a time (at 8 steps and batch 32: 1.02 times as fast in one run, the
     # ps tasks with 11% less CPU; docs/benchmarks.md), but a closure's function takes
     # that many times as long to trace, once for each number of steps a closure runs
-    # (an epoch's last may run fewer). false: a loop, traced once.
+    # (an epoch's last may run fewer). Beyond 8 steps, a loop over groups of at most 8
+    # steps, each group unrolled: tracing never costs more than 8 steps' worth.
+    # false: a loop, traced once.
     unroll: bool = True
 
 

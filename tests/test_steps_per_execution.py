@@ -99,14 +99,16 @@ def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
 
 
 @pytest.mark.cluster
-@pytest.mark.parametrize("unroll", [True, False])
-def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, ps_strategy, ps_cluster,
+@pytest.mark.parametrize("unroll, most", [(True, 8), (True, 2), (False, 8)])
+def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, most, ps_strategy, ps_cluster,
                                                         tmp_path, monkeypatch):
     # The numbered task counts each example's visits on the ps: 2 epochs of 32 steps at 5
     # a closure (the last of an epoch 2) visit each of its 512 examples twice, the
-    # steps unrolled (ps.unroll) or as a loop.
+    # steps unrolled (ps.unroll), unrolled in groups of at most `most` inside a loop
+    # (coordinated.UNROLLED_AT_MOST: groups of 2 and a last of 1), or as a loop.
     from app.distribute.ps import coordinated
 
+    monkeypatch.setattr(coordinated, "UNROLLED_AT_MOST", most)
     closures, counts_as, by_index = [], [], coordinated._by_index
 
     def recorded(*args, **kwargs):
@@ -135,18 +137,26 @@ def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, ps_strategy, ps_
 READS = [(1, False), (2, False), (3, False), (1, True), (3, True)]
 
 
+# How `_loop` gets a closure's 5 steps: a Python int of at most `most` (every step traced
+# one after another), a larger int (a loop over groups of at most `most`, each unrolled,
+# the last group shorter), or a tensor (a loop of single steps).
+# (Made in the test: a tensor made on import would start TensorFlow's context before
+# main() configures the MultiWorkerMirrored pair's collectives.)
+SHAPES = {"unrolled": (int, 8), "grouped": (int, 2), "loop": (tf.constant, 8)}
+
+
 @pytest.mark.cluster
-@pytest.mark.parametrize("unrolled", [True, False])
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("every, half", READS)
-def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half, unrolled,
+def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, half, shape,
                                                                         ps_strategy):
-    # Three SGD steps with momentum in one closure on a worker, the variable read once
+    # Five SGD steps with momentum in one closure on a worker, the variable read once
     # every `every` steps (ps.read_every), as float16 with `half` (ps.read_compression):
     # each step's gradient is the one at the weights of the last read, rounded to float16
     # with `half`, and the momentum (a slot, on the ps) still goes on step by step. The
-    # same whether the steps are traced one after another (`unrolled`, ps.unroll: each
-    # read after the updates before it only by TensorFlow's ordering of a function's
-    # ops on one variable) or as a loop.
+    # same whether the steps are traced one after another (ps.unroll: each read after
+    # the updates before it only by TensorFlow's ordering of a function's ops on one
+    # variable), in unrolled groups inside a loop, or as a loop.
     import tf_keras
 
     from app.distribute.ps import coordinated
@@ -172,15 +182,15 @@ def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, h
 
     @tf.function
     def closure():
-        coordinated._loop(3 if unrolled else tf.constant(3), step, variables=[w], every=every,
-                          half=half)
+        count_as, most = SHAPES[shape]
+        coordinated._loop(count_as(5), step, variables=[w], every=every, half=half, most=most)
 
     coordinator.schedule(closure)
     coordinator.join()
     expected = {}
     for period, rounded in READS:
         local_optimizer, local = model()  # the same three steps in this process
-        for i in range(3):
+        for i in range(5):
             if i % period == 0:
                 read = tf.Variable(tf.cast(tf.cast(local, tf.float16), tf.float32)
                                    if rounded else local)
@@ -190,7 +200,7 @@ def test_a_closures_steps_take_their_gradients_at_the_weights_last_read(every, h
     assert min(np.abs(expected[a] - expected[b]).max()
                for a, b in itertools.combinations(expected, 2)) > 1e-5  # all differ
     np.testing.assert_allclose(w.numpy(), expected[every, half], rtol=1e-6)
-    assert int(optimizer.iterations.numpy()) == 3
+    assert int(optimizer.iterations.numpy()) == 5
 
 
 @pytest.mark.cluster

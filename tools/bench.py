@@ -202,6 +202,13 @@ ROWS: dict[str, Row] = {
     "ps_2w2p_spe8_fp16_both_nospin_unroll": Row(
         "ps_2w2p_spe8_fp16_both_nospin, a closure's steps unrolled (ps.unroll=true)",
         _ps(2, 2, "train.steps_per_execution=8", *_FP16_BOTH, _NOSPIN, "ps.unroll=true")),
+    "ps_2w2p_spe32_fp16_both_nospin_unroll": Row(
+        "ps_2w2p_spe8_fp16_both_nospin_unroll at 32 steps a closure, unrolled in groups of 8 "
+        "(coordinated.UNROLLED_AT_MOST)",
+        _ps(2, 2, "train.steps_per_execution=32", *_FP16_BOTH, _NOSPIN, "ps.unroll=true")),
+    "ps_2w2p_spe40_fp16_both_nospin_unroll": Row(
+        "the same at 40 steps a closure, 5 groups of 8 (1,000 steps: no shorter closure)",
+        _ps(2, 2, "train.steps_per_execution=40", *_FP16_BOTH, _NOSPIN, "ps.unroll=true")),
     "ps_2w2p_rr": Row("the same without a partitioner (TF1's round-robin placement)",
                       _ps(2, 2, "ps.partitioner=none")),
     "ps_2w2p_fp16": Row("the same as ps_2w2p, gradients pushed as float16 (ps.compression=fp16)",

@@ -91,9 +91,10 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
     strategy = coordinator.strategy
     loop = functools.partial(_loop, variables=variables,
                              every=read_every if steps_per_execution > 1 else 1,
-                             half=read_compression == "fp16")
-    # A closure's number of steps: a Python int traces them one after another (`_loop`),
-    # once for each number a closure runs; a tensor, as a loop traced once.
+                             half=read_compression == "fp16", most=UNROLLED_AT_MOST)
+    # A closure's number of steps: a Python int traces them one after another (`_loop`;
+    # in a loop of groups beyond UNROLLED_AT_MOST), once for each number a closure runs;
+    # a tensor, as a loop traced once.
     count_arg = int if unroll else (lambda count: tf.constant(count, tf.int64))
     schedule = (_by_index(train, coordinator, *reading, with_worker, loop, count_arg)
                 if reading else _by_iterator(train, coordinator, dataset_fn, loop, count_arg))
@@ -142,16 +143,35 @@ def failure_behind(coordinator, error: BaseException) -> BaseException:
     return error
 
 
+# The most steps of a closure traced one after another: a closure of more steps, with
+# ps.unroll, runs them as a loop over groups of at most this many, each group unrolled,
+# so that a large train.steps_per_execution costs no more tracing than this many steps.
+# (Keras 3's TensorFlow trainer has the same split: `unrolled_steps_per_execution`.)
+UNROLLED_AT_MOST = 8
+
+
 def _loop(count: int | tf.Tensor, step: Callable[[int | tf.Tensor], Any],
-          variables: list | None, every: int, half: bool = False) -> None:
+          variables: list | None, every: int, half: bool = False,
+          most: int = UNROLLED_AT_MOST) -> None:
     """`step(i)` for i in range(count), in a closure's traced function: one step after
-    another for a Python int `count`, as a loop for a tensor; with `every` > 1, in
-    runs of `every` steps that each read `variables` from the ps tasks once; with
-    `half`, each read of them crosses as float16.
+    another for a Python int `count` of at most `most`, as a loop for a tensor, and for a
+    larger int as a loop over groups of at most `most` steps (whole runs of `every`),
+    each unrolled; with `every` > 1, in runs of `every` steps that each read `variables`
+    from the ps tasks once; with `half`, each read of them crosses as float16.
 
     Unrolled, the steps' updates and the reads after them are ordered as in the loop:
     TensorFlow orders a function's ops on the same variable as they were traced."""
     unrolled = isinstance(count, int)
+    if unrolled and count > most:
+        group = max(every, most - most % every)  # a run of `every` is never split
+        groups, rest = divmod(count, group)
+        for g in tf.range(tf.constant(groups, tf.int64)):
+            _loop(group, lambda i, first=g * group: step(first + i), variables, every, half,
+                  most=group)
+        if rest:
+            _loop(rest, lambda i, first=groups * group: step(first + i), variables, every,
+                  half, most=group)
+        return
     steps, least = (range, min) if unrolled else (tf.range, tf.minimum)
     if every > 1 and variables:
         for start in steps(0, count, every):
