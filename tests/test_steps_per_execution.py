@@ -98,6 +98,20 @@ def test_parameter_servers(keras, source, ps_strategy, ps_cluster, tmp_path):
     check(metrics, tmp_path, keras, source)
 
 
+def test_the_loop_reads_its_settings_from_the_config_once():
+    # The runner reads them (runners.AsyncPS.fit) and both dialects pass them on whole.
+    from app.distribute.ps import coordinated
+
+    chosen = cfg.load(None, ["train.steps_per_execution=8", "ps.read_every=2",
+                             "ps.read_compression=fp16", "ps.unroll=false"])
+    assert coordinated.Closures.of(chosen.train, chosen.ps) == coordinated.Closures(
+        steps=8, read_every=2, half_reads=True, unroll=False)
+    assert coordinated.Closures.of(chosen.train, chosen.ps).reads_fewer
+    defaults = cfg.load(None)
+    assert coordinated.Closures.of(defaults.train, defaults.ps) == coordinated.ONE_STEP
+    assert not coordinated.ONE_STEP.reads_fewer
+
+
 @pytest.mark.cluster
 @pytest.mark.parametrize("unroll, most", [(True, 8), (True, 2), (False, 8)])
 def test_a_closure_runs_its_steps_each_on_its_own_batch(unroll, most, ps_strategy, ps_cluster,

@@ -149,11 +149,10 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device) -> None
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1,
-                    read_compression: str = "none", unroll: bool = True
+                    workers: int = 1, closures: coordinated.Closures = coordinated.ONE_STEP
                     ) -> keras.callbacks.History:
     if reading is None:
-        if read_every > 1 or read_compression != "none":
+        if closures.reads_fewer:
             log.warning("ps.read_every and ps.read_compression apply to the project's loop "
                         "(a task read by index, or Keras 3); this task trains through "
                         "tf_keras' fit, whose steps read every variable as float32")
@@ -162,9 +161,8 @@ def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callback
     return coordinated.fit(model, model.train_step, coordinator, keras, epochs=epochs,
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, reading=reading, with_worker=with_worker,
-                           workers=workers, steps_per_execution=steps_per_execution,
-                           read_every=read_every, read_compression=read_compression,
-                           unroll=unroll, variables=model.trainable_variables,
+                           workers=workers, closures=closures,
+                           variables=model.trainable_variables,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

@@ -167,18 +167,15 @@ def build_coordinated(model: keras.Model, task, dataset_fn, slot_device):
 def fit_coordinated(model: keras.Model, built, coordinator, dataset_fn, callbacks_: list,
                     epochs: int, steps_per_epoch: int, verbose, backup_dir: pathlib.Path,
                     every_steps: int, reading=None, with_worker: bool = False,
-                    workers: int = 1, steps_per_execution: int = 1, read_every: int = 1,
-                    read_compression: str = "none", unroll: bool = True
+                    workers: int = 1, closures: coordinated.Closures = coordinated.ONE_STEP
                     ) -> keras.callbacks.History:
     """The project's loop on the coordinator (Keras 3's fit has none)."""
     trainable = [tf_variable(v) for v in model.trainable_variables]
     return coordinated.fit(model, built.train, coordinator, keras, epochs=epochs,
                            steps_per_epoch=steps_per_epoch, callbacks=callbacks_,
                            verbose=verbose, dataset_fn=dataset_fn, reading=reading,
-                           with_worker=with_worker, workers=workers,
-                           steps_per_execution=steps_per_execution,
-                           read_every=read_every, read_compression=read_compression,
-                           unroll=unroll, variables=trainable,
+                           with_worker=with_worker, workers=workers, closures=closures,
+                           variables=trainable,
                            backup=coordinated.LoopBackup(coordinator, model, backup_dir,
                                                          every_steps))
 

@@ -426,9 +426,7 @@ class AsyncPS(SingleHost):
             steps_per_epoch, _verbose(self.config.train.verbose), workdir / BACKUP_DIR,
             self.config.checkpoint.every_steps, reading=self.reading,
             with_worker=self.straggler is not None, workers=self._workers,
-            steps_per_execution=self.config.train.steps_per_execution,
-            read_every=self.config.ps.read_every,
-            read_compression=self.config.ps.read_compression, unroll=self.config.ps.unroll)
+            closures=coordinated.Closures.of(self.config.train, self.config.ps))
 
     def serving(self, model):
         # The trained model itself: saved under the strategy, each ShardedVariable is

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import pathlib
@@ -31,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from app import indexed, tf_internal
+from app.config import PSConfig, TrainConfig
 from app.state import backup as backups
 
 log = logging.getLogger(__name__)
@@ -69,33 +71,56 @@ class LoopBackup(backups.Backup):
         super().write(epoch, step)
 
 
+@dataclasses.dataclass(frozen=True)
+class Closures:
+    """How each scheduled closure runs its steps: the settings of `train` and `ps` that
+    shape the loop, read once by the runner and passed unchanged, through a dialect's
+    `fit_coordinated`, to `fit`."""
+
+    steps: int = 1  # train.steps_per_execution: steps a closure (fewer at an epoch's end)
+    read_every: int = 1  # ps.read_every: its steps read the variables once every this many
+    half_reads: bool = False  # ps.read_compression = "fp16": those reads cross as float16
+    unroll: bool = True  # ps.unroll: its steps traced one after another, not as a loop
+
+    @classmethod
+    def of(cls, train: TrainConfig, ps: PSConfig) -> Closures:
+        return cls(train.steps_per_execution, ps.read_every, ps.read_compression == "fp16",
+                   ps.unroll)
+
+    @property
+    def reads_fewer(self) -> bool:
+        """Whether a step may read the variables other than as float32, every step."""
+        return self.read_every > 1 or self.half_reads
+
+
+ONE_STEP = Closures()  # a step a closure, reading float32: the defaults of train and ps
+
+
 def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         steps_per_epoch: int, callbacks: list, verbose, backup: LoopBackup,
         dataset_fn=None, reading: tuple[indexed.Source, indexed.Order] | None = None,
-        with_worker: bool = False, workers: int = 1, steps_per_execution: int = 1,
-        read_every: int = 1, read_compression: str = "none", unroll: bool = True,
+        with_worker: bool = False, workers: int = 1, closures: Closures = ONE_STEP,
         variables: list | None = None):
     """Train `epochs` x `steps_per_epoch` steps of `train(batch)` (the model's train
-    step), `steps_per_execution` of them in each closure scheduled on a free worker
+    step), `closures.steps` of them in each closure scheduled on a free worker
     (fewer at an epoch's end), each batch read by index (`reading`) or from the
     worker's iterator of `dataset_fn`. `keras` is the model's Keras, whose callbacks
     see what they see under tf_keras' fit with a coordinator: a batch ends when it is
     scheduled (the last step of a closure), an epoch once all of its steps have run.
     `with_worker`: the batch also carries the index of the worker that trains on it (a
     straggler's train step needs it). `workers`: how many there are. `variables`: the
-    model's, which a closure's steps read from the ps tasks once every `read_every`
-    of them, as float16 with `read_compression` "fp16" (`tf_internal.variable_reads`).
-    `unroll`: a closure's steps traced one after another (ps.unroll), not as a loop."""
+    model's, which a closure's steps read from the ps tasks as `closures` says
+    (`tf_internal.variable_reads`)."""
     if verbose == "auto":
         verbose = 2  # one line per epoch, as fit() does under a coordinator
     strategy = coordinator.strategy
     loop = functools.partial(_loop, variables=variables,
-                             every=read_every if steps_per_execution > 1 else 1,
-                             half=read_compression == "fp16", most=UNROLLED_AT_MOST)
+                             every=closures.read_every if closures.steps > 1 else 1,
+                             half=closures.half_reads, most=UNROLLED_AT_MOST)
     # A closure's number of steps: a Python int traces them one after another (`_loop`;
     # in a loop of groups beyond UNROLLED_AT_MOST), once for each number a closure runs;
     # a tensor, as a loop traced once.
-    count_arg = int if unroll else (lambda count: tf.constant(count, tf.int64))
+    count_arg = int if closures.unroll else (lambda count: tf.constant(count, tf.int64))
     schedule = (_by_index(train, coordinator, *reading, with_worker, loop, count_arg)
                 if reading else _by_iterator(train, coordinator, dataset_fn, loop, count_arg))
     history = keras.callbacks.History()
@@ -108,7 +133,7 @@ def fit(model, train: Callable[[Any], Any], coordinator, keras, *, epochs: int,
         with strategy.scope():  # tf_keras builds its compiled metrics at the first trace
             _epochs(model, schedule, coordinator.join, callback_list, backup,
                     range(first_epoch, epochs), first_step, steps_per_epoch,
-                    steps_per_execution, closures_ahead(steps_per_execution) * workers)
+                    closures.steps, closures_ahead(closures.steps) * workers)
     except BaseException as e:
         failure = failure_behind(coordinator, e)
         # Nothing scheduled may run on after this run, into the next one's restore.
