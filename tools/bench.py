@@ -137,6 +137,11 @@ ROWS: dict[str, Row] = {
         "(runtime.thread_spinning=false)",
         _ps(2, 2, *_FP16_BOTH, _NOSPIN),
         "train.steps_per_execution=8"),
+    "ps_2w2p_spe8_fp16_both_nospin_threads2_defaults": _at_defaults(
+        "ps_2w2p_spe8_fp16_both_nospin_defaults, 2 intra-op threads a task "
+        "(runtime.intra_op_threads=2)",
+        _ps(2, 2, *_FP16_BOTH, _NOSPIN, "runtime.intra_op_threads=2"),
+        "train.steps_per_execution=8"),
     "defaults_nospin": _at_defaults("one process, its thread pools not spinning "
                                     "(runtime.thread_spinning=false)", _BASELINE,
                                     _NOSPIN),
