@@ -30,7 +30,8 @@ def launch(*args: str) -> subprocess.Popen:
 
 
 def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool], str]],
-              sig: int = signal.SIGKILL, release: pathlib.Path | None = None) -> tuple[str, int]:
+              sig: int = signal.SIGKILL, release: pathlib.Path | None = None,
+              released_by: Callable[[str], bool] | None = None) -> tuple[str, int]:
     """Read the launcher's output to the end; send `sig` to each (trigger, victim) of
     `plan`'s victim (e.g. "worker:1", or "launch": the launcher itself) at the first
     line for which its trigger is true. (all output, how many were sent)
@@ -44,8 +45,12 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
     `release`: the run's `debug.hold_file`, created once every signal of `plan` was
     sent and each task it went to has exited (or the output ended): the run held at
     the step that triggered them (`debug.hold_at_step`) goes on without that task.
+    `released_by`: a trigger that creates `release` instead, at the first line it is
+    true for once every signal was sent. A task told by SIGTERM stops at a step end,
+    which a held run reaches once released: it is released once the task says it has
+    seen the signal, so that the run cannot end before the signal takes effect.
     """
-    lines, due, missed = [], list(plan), []
+    lines, due, missed, released = [], list(plan), [], False
     tasks = {"launch": os.pidfd_open(launcher.pid)}
     try:
         for line in launcher.stdout:
@@ -63,10 +68,12 @@ def signal_on(launcher: subprocess.Popen, plan: list[tuple[Callable[[str], bool]
                                   f"was sent, at: {line}")
                 else:
                     signal.pidfd_send_signal(task, sig)
-                    if release:
+                    if release and released_by is None:
                         select.select([task], [], [], EXIT_DEADLINE_S)  # until it exits
-            if release and fired and not due:
+            if (release and not due and not released
+                    and (released_by(line) if released_by else fired)):
                 release.touch()
+                released = True
     finally:
         if release:
             release.touch()  # never leave a run held
@@ -95,11 +102,11 @@ def task_pidfd(pid: int, launcher: int) -> int | None:
 
 
 def signal_when(launcher: subprocess.Popen, trigger: Callable[[str], bool], victim: str,
-                sig: int = signal.SIGKILL, release: pathlib.Path | None = None
-                ) -> tuple[str, bool]:
+                sig: int = signal.SIGKILL, release: pathlib.Path | None = None,
+                released_by: Callable[[str], bool] | None = None) -> tuple[str, bool]:
     """Send `sig` to task `victim` at the first line for which `trigger` is true; see
     `signal_on`. (all output, whether sent)"""
-    output, sent = signal_on(launcher, [(trigger, victim)], sig, release)
+    output, sent = signal_on(launcher, [(trigger, victim)], sig, release, released_by)
     return output, bool(sent)
 
 
@@ -108,9 +115,19 @@ def hold(step: int, release: pathlib.Path) -> tuple[str, ...]:
     (`debug.hold_at_step`): pass `release` to `signal_on`, which creates it once the
     tasks it signalled have exited. Under parameter servers the chief logs the steps it
     schedules, ahead of the workers, so a kill read from its log may otherwise land
-    after the run last needed the task, or after the run ended. Not for SIGTERM: a
-    held task does not reach the step end where it would save and stop."""
+    after the run last needed the task, or after the run ended. A task acts on SIGTERM
+    at a step end, which a held task reaches only once released: pass `released_by`
+    too, a line that says it has seen the signal."""
     return ("--set", f"debug.hold_at_step={step}", "--set", f"debug.hold_file={release}")
+
+
+def sigterm_seen(task: str = "") -> Callable[[str], bool]:
+    """A `released_by` trigger: a MultiWorkerMirrored worker (`task`, or any) says it has
+    seen SIGTERM and is agreeing with the others on a step to save at
+    (`app.cluster.preemption.mwms_handler`, whose thread polls the signal once a
+    second: a run that ends sooner would otherwise not stop)."""
+    said = "] INFO SIGTERM: agreeing with the other workers"
+    return lambda line: said in line and line.startswith(f"[{task}" if task else "[")
 
 
 def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[str, bool]:
@@ -127,11 +144,11 @@ def reached(reporter: str, step: int) -> Callable[[str], bool]:
 
 
 def signal_at_step(launcher: subprocess.Popen, reporter: str, step: int, victim: str,
-                   sig: int = signal.SIGKILL, release: pathlib.Path | None = None
-                   ) -> tuple[str, bool]:
+                   sig: int = signal.SIGKILL, release: pathlib.Path | None = None,
+                   released_by: Callable[[str], bool] | None = None) -> tuple[str, bool]:
     """Send `sig` to `victim` once task `reporter` has logged step `step` or later;
-    `release`: see `signal_on`."""
-    return signal_when(launcher, reached(reporter, step), victim, sig, release)
+    `release`, `released_by`: see `signal_on`."""
+    return signal_when(launcher, reached(reporter, step), victim, sig, release, released_by)
 
 
 def signal_at_steps(launcher: subprocess.Popen, reporter: str, victims: dict[int, str],

@@ -64,12 +64,14 @@ def test_parameter_servers_lose_and_repeat_nothing_when_a_worker_and_the_chief_d
 
 
 def test_multi_worker_mirrored_resumed_on_one_worker_trains_each_example_once(tmp_path):
-    workdir = tmp_path / "run"
-    launcher = launching.launch(*numbered(workdir, "--workers", "2", "--ps", "0"))
+    workdir, release = tmp_path / "run", tmp_path / "release"
+    held = launching.hold(64, release)  # until worker 1 has seen SIGTERM; no hold on resuming
+    launcher = launching.launch(*numbered(workdir, "--workers", "2", "--ps", "0"), *held)
     output, sent = launching.signal_at_step(launcher, "worker:0", 60, "worker:1",
-                                            signal.SIGTERM)
+                                            signal.SIGTERM, release=release,
+                                            released_by=launching.sigterm_seen("worker:1"))
     assert sent and launcher.wait(timeout=120) == 204, output[-4000:]
-    again = launching.launch(*numbered(workdir, "--workers", "1", "--ps", "0"))
+    again = launching.launch(*numbered(workdir, "--workers", "1", "--ps", "0"), *held)
     rerun, _ = again.communicate(timeout=600)
     assert again.returncode == 0, rerun[-4000:]
     assert ("resuming under DefaultStrategy (was MultiWorkerMirroredStrategy), on 1 worker "
@@ -89,10 +91,17 @@ def test_multi_worker_mirrored_stopped_and_resumed_ends_bit_for_bit_with_determi
     clean = launching.launch(*mnist(tmp_path / "clean"))
     output, _ = clean.communicate(timeout=600)
     assert clean.returncode == 0, output[-4000:]
-    launcher = launching.launch(*mnist(tmp_path / "stopped"))
-    output, sent = launching.signal_at_step(launcher, "worker:0", 8, "worker:1", signal.SIGTERM)
+    # The 20-step run holds at step 12 until worker 1 says it has seen SIGTERM (sent at
+    # step 8 as read from the output, which may lag the run by seconds on a busy
+    # machine): it cannot end before the workers agree on a step to save at.
+    release = tmp_path / "release"  # there when the run resumes: no hold then
+    stopped = (*mnist(tmp_path / "stopped"), *launching.hold(12, release))
+    launcher = launching.launch(*stopped)
+    output, sent = launching.signal_at_step(
+        launcher, "worker:0", 8, "worker:1", signal.SIGTERM, release=release,
+        released_by=launching.sigterm_seen("worker:1"))
     assert sent and launcher.wait(timeout=120) == 204, output[-4000:]
-    again = launching.launch(*mnist(tmp_path / "stopped"))
+    again = launching.launch(*stopped)
     rerun, _ = again.communicate(timeout=600)
     assert again.returncode == 0, rerun[-4000:]
     assert launching.steps_reported(rerun, "worker:0")[0] > 8  # resumed mid-epoch

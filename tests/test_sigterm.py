@@ -48,24 +48,28 @@ def test_sigterm_to_the_chief_saves_exits_204_and_the_rerun_resumes(tmp_path):
     assert [row["epoch"] for row in metrics["history"]] == [1, 2]
 
 
-def two_workers(tmp_path, keras="tf_keras"):
+def two_workers(tmp_path, keras="tf_keras", hold_at=0):
     """Two MultiWorkerMirrored workers on the MLP in `keras` (task.keras), 3 epochs of
-    31 steps, --max-restarts 1."""
+    31 steps, --max-restarts 1; held at step `hold_at` until tmp_path/"release" exists
+    (none on a relaunch: the file is there by then)."""
     return launching.launch(
         "--workers", "2", "--ps", "0", "--max-restarts", "1", "--set", f"task.keras={keras}",
         "--set", "task.train_examples=1500", "--set", "task.validation_examples=500",
         "--set", "task.test_examples=101", "--set", "train.epochs=3",
         "--set", "train.verbose=2", "--set", "debug.log_every_steps=1",
-        "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"))
+        "--set", "task.model=mlp", "--workdir", str(tmp_path / "run"),
+        *(launching.hold(hold_at, tmp_path / "release") if hold_at else ()))
 
 
 @pytest.mark.parametrize("keras", ["tf_keras", "keras"])
 def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(keras, tmp_path):
     steps = 1000 // 32  # 1500 examples less 500 for validation
-    launcher = two_workers(tmp_path, keras)
     signalled_at = steps + 5
+    # Held 5 steps on until worker 1 has seen the signal: the run cannot end first.
+    launcher = two_workers(tmp_path, keras, hold_at=signalled_at + 5)
     output, sent = launching.signal_at_step(launcher, "worker:0", signalled_at, "worker:1",
-                                            signal.SIGTERM)
+                                            signal.SIGTERM, release=tmp_path / "release",
+                                            released_by=launching.sigterm_seen("worker:1"))
     assert sent and launcher.wait(timeout=60) == 0, output[-4000:]
     before, after = output.split("[launch] restart 1 of 1")
     # Told through the coordination service, worker 0 saved at the same step and left too.
@@ -87,8 +91,10 @@ def test_sigterm_to_one_multi_worker_mirrored_worker_stops_both_at_one_step(kera
 
 
 def test_sigterm_to_the_launcher_preempts_every_task_and_relaunches_nothing(tmp_path):
-    launcher = two_workers(tmp_path)
-    output, sent = launching.signal_at_step(launcher, "worker:0", 5, "launch", signal.SIGTERM)
+    launcher = two_workers(tmp_path, hold_at=10)  # until a worker has seen the signal
+    output, sent = launching.signal_at_step(launcher, "worker:0", 5, "launch", signal.SIGTERM,
+                                            release=tmp_path / "release",
+                                            released_by=launching.sigterm_seen())
     assert sent and launcher.wait(timeout=60) == EXIT_CODE, output[-4000:]
     assert "[launch] SIGTERM: passing it to every task" in output
     assert f"[launch] worker:0 {PREEMPTED}" in output, output[-4000:]

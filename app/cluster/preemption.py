@@ -116,8 +116,16 @@ def mwms_handler(strategy, checkpoint_manager, save: Callable[[], None],
     if not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver
             and resolver.cluster_spec().jobs):
         return None
+    def noticed() -> bool:
+        # Polled once a second by the handler's thread until it is true: said once, as
+        # the worker starts agreeing on a step (nothing else is logged until the save).
+        if not sigterm.requested():
+            return False
+        log.info("SIGTERM: agreeing with the other workers on a step to save at")
+        return True
+
     config = tf.distribute.experimental.TerminationConfig(
-        termination_watcher_fn=sigterm.requested, exit_fn=stop, save_fn=save)
+        termination_watcher_fn=noticed, exit_fn=stop, save_fn=save)
     return tf.distribute.experimental.PreemptionCheckpointHandler(
         resolver, checkpoint_manager, termination_config=config)
 
