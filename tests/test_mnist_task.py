@@ -130,6 +130,17 @@ def test_validation_larger_than_training_set():
                             "set (100 examples); lower it or set it to 0")
 
 
+def test_more_training_examples_than_the_source_has_are_refused():
+    task = task_of("task.train_examples=60001")  # MNIST's training files hold 60,000
+    with pytest.raises(cfg.ConfigError) as e:
+        task.train_examples()
+    assert str(e.value) == ("task.train_examples (60001) is more than the 60000 training "
+                            "examples of task.source 'mnist'; lower it, or set it to 0 for "
+                            "all of them")
+    assert task_of("task.train_examples=60000", "task.validation_examples=0").train_examples() \
+        == 60000
+
+
 def test_mnist_from_a_directory_without_the_files(tmp_path):
     missing = f"{tmp_path}/train-images-idx3-ubyte\\[.gz\\]: no such"
     with pytest.raises(cfg.ConfigError, match=missing):

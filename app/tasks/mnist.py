@@ -42,7 +42,8 @@ class Params:
     # the copy bundled with the project.
     dir: str = ""
     # Use only the first N training examples (0 = all), for smoke runs; the
-    # validation examples are then held out of those N.
+    # validation examples are then held out of those N. More than the source has
+    # is refused (the synthetic source has as many as this asks).
     train_examples: int = field(0, minimum=0)
     # Use only the first N test examples (0 = all), for smoke runs: test
     # accuracy is then over N images, and metrics.json says so.
@@ -194,6 +195,13 @@ def _subset(splits: Splits, params: Params) -> Splits:
     """The first `train_examples` / `test_examples`, validation cut from the train end."""
     train, num_train = splits.train, splits.num_train
     test, num_test = splits.test, splits.num_test
+    if params.train_examples > num_train:
+        # Not quietly all of them: a run asked for N examples (a benchmark's steps times its
+        # batch) would train fewer steps than it was asked to, and say nothing.
+        raise ConfigError(
+            f"task.train_examples ({params.train_examples}) is more than the "
+            f"{num_train} training examples of task.source {params.source!r}; lower it, "
+            f"or set it to 0 for all of them")
     if params.train_examples and params.train_examples < num_train:
         train, num_train = _take(train, 0, params.train_examples), params.train_examples
     if params.test_examples and params.test_examples < num_test:
