@@ -15,6 +15,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from app.cluster import preemption
 from launch.ports import Ports
 
 STEP = re.compile(r"\[(\S+)\] INFO step (\d+)$")
@@ -124,10 +125,12 @@ def hold(step: int, release: pathlib.Path) -> tuple[str, ...]:
 def sigterm_seen(task: str = "") -> Callable[[str], bool]:
     """A `released_by` trigger: a MultiWorkerMirrored worker (`task`, or any) says it has
     seen SIGTERM and is agreeing with the others on a step to save at
-    (`app.cluster.preemption.mwms_handler`, whose thread polls the signal once a
-    second: a run that ends sooner would otherwise not stop)."""
-    said = "] INFO SIGTERM: agreeing with the other workers"
-    return lambda line: said in line and line.startswith(f"[{task}" if task else "[")
+    (`app.cluster.preemption.watcher`, polled once a second: a run that ends sooner
+    would otherwise not stop)."""
+    said = f"] INFO {preemption.AGREEING}"
+    if task:
+        return lambda line: line.startswith(f"[{task}{said}")
+    return lambda line: said in line
 
 
 def kill_on_line(launcher: subprocess.Popen, prefix: str, victim: str) -> tuple[str, bool]:

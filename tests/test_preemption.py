@@ -217,3 +217,17 @@ def test_sigterm_is_a_flag_only_while_installed():
     finally:
         sigterm.uninstall()
     assert signal.getsignal(signal.SIGTERM) is previous
+
+
+def test_the_multi_worker_watcher_says_once_that_it_saw_sigterm(caplog):
+    sigterm = preemption.Sigterm()
+    noticed = preemption.watcher(sigterm)
+    sigterm.install()
+    try:
+        with caplog.at_level(logging.INFO, logger=preemption.log.name):
+            assert not noticed() and not caplog.messages
+            signal.raise_signal(signal.SIGTERM)
+            assert noticed()
+    finally:
+        sigterm.uninstall()
+    assert caplog.messages == [preemption.AGREEING]

@@ -28,6 +28,8 @@ from app.cluster.tf_config import TaskLost
 log = logging.getLogger(__name__)
 
 EXIT_CODE = 204  # retryable under Kubeflow's ExitCode policy: see tf_config.TaskLost
+# What a MultiWorkerMirrored worker logs once it has seen SIGTERM (`watcher`).
+AGREEING = "SIGTERM: agreeing with the other workers on a step to save at"
 
 
 class Preempted(TaskLost):
@@ -116,18 +118,22 @@ def mwms_handler(strategy, checkpoint_manager, save: Callable[[], None],
     if not (isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and resolver
             and resolver.cluster_spec().jobs):
         return None
-    def noticed() -> bool:
-        # Polled once a second by the handler's thread until it is true: said once, as
-        # the worker starts agreeing on a step (nothing else is logged until the save).
-        if not sigterm.requested():
-            return False
-        log.info("SIGTERM: agreeing with the other workers on a step to save at")
-        return True
-
     config = tf.distribute.experimental.TerminationConfig(
-        termination_watcher_fn=noticed, exit_fn=stop, save_fn=save)
+        termination_watcher_fn=watcher(sigterm), exit_fn=stop, save_fn=save)
     return tf.distribute.experimental.PreemptionCheckpointHandler(
         resolver, checkpoint_manager, termination_config=config)
+
+
+def watcher(sigterm: Sigterm) -> Callable[[], bool]:
+    """The handler's `termination_watcher_fn`: whether SIGTERM came, saying `AGREEING`
+    when it first is. The handler's thread polls it once a second until then and
+    stops there; nothing else is logged before the save, a step or more later."""
+    def noticed() -> bool:
+        if not sigterm.requested():
+            return False
+        log.info(AGREEING)
+        return True
+    return noticed
 
 
 def close_mwms_handler(handler) -> None:
