@@ -145,6 +145,9 @@ ROWS: dict[str, Row] = {
     "defaults_nospin": _at_defaults("one process, its thread pools not spinning "
                                     "(runtime.thread_spinning=false)", _BASELINE,
                                     _NOSPIN),
+    "sync_2w2p_nospin_defaults": _at_defaults(
+        "ParameterServer sync (ps.mode=sync): chief + 2 workers + 2 ps, no task's thread "
+        "pools spinning (runtime.thread_spinning=false)", _ps(2, 2, "ps.mode=sync", _NOSPIN)),
     "mwms_2w_nospin_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, their thread pools not spinning "
         "(runtime.thread_spinning=false)", _ps(2, 0, _NOSPIN)),
