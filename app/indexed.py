@@ -30,6 +30,14 @@ import tensorflow as tf
 # A dataset of batches, for each step from the first the reader needs, without end.
 _ENDLESS = 2**62
 
+# The functions below marked `_plain` hold no Python `if` or loop on a tensor and call
+# no task code, so autograph has nothing to convert in them. Left to it, tf.data
+# converted them each time a process built its pipeline: 0.7 of the 5.8 CPU s of a
+# short one-process run (docs/testing.md). A task's own functions (`Source.read`,
+# `augment`, `span`, `decode`) are still converted where they are called, as tf.data
+# converts any function it maps.
+_plain = tf.autograph.experimental.do_not_convert
+
 
 @dataclasses.dataclass(frozen=True)
 class Source:
@@ -128,6 +136,7 @@ class Order:
         return (self.shard > 0 and self.window % pipelines == 0 and self.batch % self.window == 0
                 and self.steps_per_epoch * self.batch <= self.size)
 
+    @_plain
     def indices(self, step: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """The example indices of global batch `step` (int64 [batch]), and their
         augmentation seeds (int64 [batch, 2])."""
@@ -143,6 +152,7 @@ class Order:
             indices = _shuffle(positions % self.size, self.seed, epochs, passes, self.size)
         return indices, augment_seeds(self.seed, epochs, indices)
 
+    @_plain
     def in_window(self, positions: tf.Tensor, epochs: tf.Tensor,
                   passes: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
         """For positions within a pass of a windowed order: each one's place among its
@@ -164,6 +174,7 @@ class Order:
         slots = windows * self.window + place // self.shard
         return place, self.shard_at(slots, epochs, passes) * self.shard + place % self.shard
 
+    @_plain
     def shard_at(self, slots: tf.Tensor, epochs: tf.Tensor, passes: tf.Tensor) -> tf.Tensor:
         """The shard in place `slots` of the shards' permutation of (epoch, pass): the
         full shards permuted, the short one (if any) last."""
@@ -174,6 +185,7 @@ class Order:
         return tf.where(slots < full, permuted, slots)
 
 
+@_plain
 def _shuffle(positions: tf.Tensor, seed: int, epochs: tf.Tensor, streams: tf.Tensor,
              size: tf.Tensor | int) -> tf.Tensor:
     """`positions` through the permutation of range(size) of (seed, epoch, stream), one
@@ -187,6 +199,7 @@ def _shuffle(positions: tf.Tensor, seed: int, epochs: tf.Tensor, streams: tf.Ten
         max_index=tf.cast(size, tf.int64) - 1 + tf.zeros_like(positions), rounds=4)
 
 
+@_plain
 def augment_seeds(seed: int, epochs: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
     """The augmentation seeds of examples `indices` read in `epochs` (int64 [n, 2])."""
     return tf.stack([seed + epochs * 2**32, indices], axis=1)
@@ -261,9 +274,12 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
     part = order.batch // pipelines
 
     def read(loaded, segment):
-        return _read_window(source, order, pipelines, pipeline,
-                            None if source.load is None else loaded, segment)
+        starts, counts, taken, indices, epochs = _window_plan(order, pipelines, pipeline,
+                                                              segment)
+        raw = source.span(None if source.load is None else loaded, starts, counts)
+        return raw, taken, indices, epochs
 
+    @_plain
     def batches(raw, taken, indices, epochs):
         """The window's examples in its order, a batch at a time: each batch gathered
         from the window as it is read, not the window copied into its order."""
@@ -279,6 +295,7 @@ def _window_batches(source: Source, order: Order, first_step: Callable[[], tf.Te
             .prefetch(1).flat_map(batches).rebatch(part))
 
 
+@_plain
 def _segments(order: Order, first: tf.Tensor) -> tf.data.Dataset:
     """(epoch, pass, window, first position, end): the positions of each epoch that
     each window serves, from step `first`'s on."""
@@ -303,10 +320,13 @@ def _segments(order: Order, first: tf.Tensor) -> tf.data.Dataset:
             .filter(lambda epoch, pass_, window, start, end: start < end))
 
 
-def _read_window(source: Source, order: Order, pipelines: int, pipeline: int, loaded: Any,
+@_plain
+def _window_plan(order: Order, pipelines: int, pipeline: int,
                  segment: tuple[tf.Tensor, ...]) -> tuple[tf.Tensor, ...]:
-    """One segment's (raw records of the shards read, where each position's example
-    is among them, example indices, epochs), for this pipeline's positions only."""
+    """What one segment reads, for this pipeline's positions only: the shards' first
+    examples and lengths (for `Source.span`, which reads them in that order), where
+    each position's example is among the records read, the example indices, and the
+    epochs."""
     epoch, pass_, window, start, end = segment
     own_shards = order.pipeline_shards(pipelines)
     positions = tf.range(start, end)
@@ -328,10 +348,9 @@ def _read_window(source: Source, order: Order, pipelines: int, pipeline: int, lo
     slots = window * order.window + turns
     shards = order.shard_at(slots, tf.fill(tf.shape(slots), epoch),
                             tf.fill(tf.shape(slots), pass_))
-    raw = source.span(loaded, shards * order.shard,
-                      tf.minimum(order.size - shards * order.shard, order.shard))
     taken = ((place // order.shard - first) // every) * order.shard + place % order.shard
-    return raw, taken, indices, epochs
+    return (shards * order.shard, tf.minimum(order.size - shards * order.shard, order.shard),
+            taken, indices, epochs)
 
 
 def pipeline(source: Source, indices: tf.data.Dataset, batch_size: int,

@@ -267,6 +267,11 @@ def _records(name: tf.Tensor, offset: tf.Tensor) -> tf.data.Dataset:
     return tf.data.experimental.from_variant(variant, tf.TensorSpec([], tf.string))
 
 
+# No Python `if` or loop on a tensor and no task code in the reads below: autograph,
+# which tf.data would run on them in every reading process, is skipped (app/indexed.py).
+_plain = tf.autograph.experimental.do_not_convert
+
+
 @dataclasses.dataclass(frozen=True)
 class Files:
     """TFRecord files, their records numbered across them in order (file 0's first), read
@@ -323,6 +328,7 @@ class Files:
         """Where each file's chunks start among all the files' chunks."""
         return np.cumsum([0, *(-(-c // CHUNK) for c in self.counts)])
 
+    @_plain
     def load_offsets(self) -> tf.Tensor:
         """Every record's offset, each file's padded to whole chunks (int64), read from
         the indexes in order: what `read` and `spans` take as `held`."""
@@ -368,6 +374,7 @@ class Files:
             one, cycle_length=8, block_length=1)
         return records.batch(tf.int64.max).get_single_element()
 
+    @_plain
     def read(self, indices: tf.Tensor, held: tf.Tensor | None = None) -> tf.Tensor:
         """The records numbered `indices` (int64 [n]), as a string vector; `held`: the
         offsets `load_offsets` gave, if the reader holds them."""
@@ -377,6 +384,7 @@ class Files:
         return tf.ensure_shape(
             self._read_one_each(names, self._offsets(files, records, held)), indices.shape)
 
+    @_plain
     def spans(self, starts: tf.Tensor, counts: tf.Tensor,
               held: tf.Tensor | None = None) -> tf.Tensor:
         """Records `starts[k]` .. `starts[k] + counts[k] - 1` for each k (counts of at

@@ -377,9 +377,18 @@ def params_of(tree: ast.Module, cls: str) -> set[str] | None:
     if isinstance(params, ast.Assign):
         params = classes.get(getattr(params.value, "id", ""))
     if isinstance(params, ast.ClassDef):
-        return {f.target.id for f in params.body if isinstance(f, ast.AnnAssign)}
+        return fields_of(classes, params)
     inherited = [params_of(tree, getattr(b, "id", "")) for b in node.bases]
     return next((p for p in inherited if p), set())
+
+
+def fields_of(classes: dict[str, ast.ClassDef], node: ast.ClassDef) -> set[str]:
+    """The annotated fields of class `node` and of its bases among `classes`."""
+    fields = {f.target.id for f in node.body if isinstance(f, ast.AnnAssign)}
+    for base in node.bases:
+        if getattr(base, "id", "") in classes:
+            fields |= fields_of(classes, classes[base.id])
+    return fields
 
 
 class Checker:

@@ -34,6 +34,8 @@ DEFECTS = {
         "task.hidden: task mnist has no such parameter",
     "python -m app.train --config configs/recommender.toml --set task.dropout=0.1":
         "task.dropout: task recommender has no such parameter",
+    "python -m app.train --set task.name=tests.numbered:RecordsNumbered --set task.exampels=64":
+        "task.exampels: task tests.numbered:RecordsNumbered has no such parameter",
     "python -m app.train --config configs/mnist_async.toml": "mnist_async.toml: no such path",
     "kubectl apply -f launch/k8s/tfjob-mirrored.yaml": "tfjob-mirrored.yaml: no such path",
 }
@@ -92,6 +94,7 @@ python -m launch.local --workers 2 --ps 1 --config configs/mnist_ps.toml --set p
 python -m tools.plan --config configs/recommender_large.toml --ps 4 --set task.table_scale=0.5
 python -m app.distribute.data_service dispatcher --port 5050 --work-dir SHARED/data_service
 make test ARGS='-k docs'
+python -m app.train --set task.name=tests.numbered:RecordsNumbered --set task.examples=64
 ```
 
 `launch.local --restart task` relaunches the failed task; a preempted one exits 204

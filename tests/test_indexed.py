@@ -146,6 +146,38 @@ def test_windows_read_ahead_give_the_global_batches_of_the_order(pipelines, firs
             np.testing.assert_array_equal(np.sort(np.concatenate(records)), np.arange(500))
 
 
+def branching(t: tf.Tensor) -> tf.Tensor:
+    """`t`, through a Python `if` on a tensor: traced as it is, that raises
+    (OperatorNotAllowedInGraphError); autograph makes it a `tf.cond`."""
+    if tf.reduce_min(t) >= 0:
+        return t
+    return -t
+
+
+def test_a_tasks_own_functions_are_converted_by_autograph_as_tf_data_converts_a_map():
+    """The pipeline's own functions skip autograph (`indexed._plain`); what the task
+    gives (`read`, `augment`, `span`, `decode`) may branch on tensors, in the pipeline
+    (in memory and a window at a time from files) and in a parameter-server step."""
+    order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=0)
+    in_memory = indexed.Source(64, lambda loaded, i: branching(i),
+                               augment=lambda batch, seeds: branching(batch))
+    start = lambda: tf.constant(2, tf.int64)  # noqa: E731
+    got = next(iter(indexed.dataset(in_memory, order, tf.distribute.InputContext(), start)))
+    np.testing.assert_array_equal(got.numpy(), order.indices(2)[0].numpy())
+    step = tf.function(lambda s: indexed.batch(in_memory, order, None, s))
+    np.testing.assert_array_equal(step(tf.constant(3, tf.int64)).numpy(),
+                                  order.indices(3)[0].numpy())
+
+    def span(loaded, starts, counts):
+        return branching(tf.ragged.range(starts, starts + counts).flat_values)
+
+    windowed_order = windowed(size=64, batch=8, steps_per_epoch=8, shard=16, window=2)
+    from_files = indexed.Source(64, lambda loaded, i: i, span=span, decode=branching)
+    got = next(iter(indexed.dataset(from_files, windowed_order, tf.distribute.InputContext(),
+                                    start)))
+    np.testing.assert_array_equal(got.numpy(), windowed_order.indices(2)[0].numpy())
+
+
 def test_augmentation_seeds_follow_the_example_and_the_epoch():
     order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=5)
     indices, seeds = order.indices(3)
