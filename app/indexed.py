@@ -34,8 +34,8 @@ _ENDLESS = 2**62
 # no task code, so autograph has nothing to convert in them. Left to it, tf.data
 # converted them each time a process built its pipeline: 0.7 of the 5.8 CPU s of a
 # short one-process run (docs/testing.md). A task's own functions (`Source.read`,
-# `augment`, `span`, `decode`) are still converted where they are called, as tf.data
-# converts any function it maps.
+# `load`, `augment`, `span`, `decode`) are still converted where they are called, as
+# tf.data converts any function it maps.
 _plain = tf.autograph.experimental.do_not_convert
 
 

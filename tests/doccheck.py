@@ -382,12 +382,15 @@ def params_of(tree: ast.Module, cls: str) -> set[str] | None:
     return next((p for p in inherited if p), set())
 
 
-def fields_of(classes: dict[str, ast.ClassDef], node: ast.ClassDef) -> set[str]:
-    """The annotated fields of class `node` and of its bases among `classes`."""
+def fields_of(classes: dict[str, ast.ClassDef], node: ast.ClassDef,
+              seen: frozenset[str] = frozenset()) -> set[str]:
+    """The annotated fields of class `node` and of its bases among `classes` (a base of
+    its own name, `class Params(Params)` after an import, is not among them)."""
     fields = {f.target.id for f in node.body if isinstance(f, ast.AnnAssign)}
     for base in node.bases:
-        if getattr(base, "id", "") in classes:
-            fields |= fields_of(classes, classes[base.id])
+        name = getattr(base, "id", "")
+        if name in classes and name not in seen | {node.name}:
+            fields |= fields_of(classes, classes[name], seen | {node.name})
     return fields
 
 

@@ -4,6 +4,7 @@ defect each."""
 
 from __future__ import annotations
 
+import ast
 import pathlib
 
 import pytest
@@ -106,3 +107,10 @@ See [memory limits](#launching) and [tasks](tasks.md#keras-3-or-keras-2).
 """
     tasks = "## Keras 3 or Keras 2\n"
     assert doccheck.check(ROOT, {"docs/page.md": page, "docs/tasks.md": tasks}) == []
+
+
+def test_task_parameters_are_read_through_the_bases_of_params():
+    tree = ast.parse("from elsewhere import Params\n\n\nclass Base:\n    width: int = 1\n\n\n"
+                     "class Params(Params, Base):  # named after the class it extends\n"
+                     "    depth: int = 2\n\n\nclass MyTask(Task):\n    Params = Params\n")
+    assert doccheck.params_of(tree, "MyTask") == {"depth", "width"}

@@ -156,17 +156,22 @@ def branching(t: tf.Tensor) -> tf.Tensor:
 
 def test_a_tasks_own_functions_are_converted_by_autograph_as_tf_data_converts_a_map():
     """The pipeline's own functions skip autograph (`indexed._plain`); what the task
-    gives (`read`, `augment`, `span`, `decode`) may branch on tensors, in the pipeline
-    (in memory and a window at a time from files) and in a parameter-server step."""
+    gives (`read`, `load`, `augment`, `span`, `decode`) may branch on tensors, in the
+    pipeline (in memory, a window at a time from files, and not by index) and in a
+    parameter-server step."""
     order = indexed.Order(size=64, batch=8, steps_per_epoch=8, seed=0)
-    in_memory = indexed.Source(64, lambda loaded, i: branching(i),
+    in_memory = indexed.Source(64, lambda loaded, i: branching(tf.gather(loaded, i)),
+                               load=lambda: branching(tf.range(64, dtype=tf.int64)),
                                augment=lambda batch, seeds: branching(batch))
     start = lambda: tf.constant(2, tf.int64)  # noqa: E731
     got = next(iter(indexed.dataset(in_memory, order, tf.distribute.InputContext(), start)))
     np.testing.assert_array_equal(got.numpy(), order.indices(2)[0].numpy())
-    step = tf.function(lambda s: indexed.batch(in_memory, order, None, s))
+    step = tf.function(lambda s: indexed.batch(in_memory, order, tf.range(64, dtype=tf.int64),
+                                               s))
     np.testing.assert_array_equal(step(tf.constant(3, tf.int64)).numpy(),
                                   order.indices(3)[0].numpy())
+    shuffled = indexed.pipeline(in_memory, tf.data.Dataset.range(64), 8, seed=0)
+    assert sorted(np.concatenate([b.numpy() for b in shuffled.take(8)])) == list(range(64))
 
     def span(loaded, starts, counts):
         return branching(tf.ragged.range(starts, starts + counts).flat_values)
