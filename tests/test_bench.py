@@ -144,7 +144,8 @@ def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other()
 def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
     def measure(args, workdir):
         if "mirrored" in args:
-            raise RuntimeError("benchmark run failed: mirrored_1dev\nTraceback ...")
+            raise bench.RunFailed("benchmark run failed: mirrored_1dev\nTraceback ...",
+                                  "runtime.cpu_devices (3) is wrong; set it to 2")
         return {"train_examples_per_sec": 500.0, "peak_memory_mib": 900.0, "num_replicas": 1}
 
     monkeypatch.setattr(bench, "measure", measure)
@@ -154,7 +155,22 @@ def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
     assert list(report["rows"]) == [bench.BASELINE]
     assert report["rows"][bench.BASELINE]["samples"] == [500.0, 500.0]
     assert report["failed"]["mirrored_1dev"].startswith("benchmark run failed: mirrored_1dev")
-    assert "error: benchmark run failed: mirrored_1dev" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: benchmark run failed: mirrored_1dev" in err
+    assert "repeat 1/2 mirrored_1dev: failed: runtime.cpu_devices (3) is wrong; set it to 2" in err
+
+
+def test_a_failed_run_gives_the_first_reason_it_wrote(tmp_path):
+    script = ("import sys; print('[ps:0] INFO serving'); "
+              "print('[chief:0] error: task.x (3) is too large; lower it'); "
+              "print('[ps:0] error: the chief failed'); sys.exit(2)")
+    with pytest.raises(bench.RunFailed) as failed:
+        bench.measure(["-c", script], tmp_path / "run")
+    assert failed.value.reason == "task.x (3) is too large; lower it"
+    assert str(failed.value).startswith("benchmark run failed: -c ")
+    with pytest.raises(bench.RunFailed) as failed:
+        bench.measure(["-c", "raise SystemExit(1)"], tmp_path / "other")
+    assert failed.value.reason == ""
 
 
 def test_only_the_rows_ratios_are_to_run_beside_the_rows_asked(tmp_path, monkeypatch):

@@ -406,6 +406,19 @@ def _devices(gpus: int) -> list[str]:
     return list(_sets("runtime.cpu_devices=2"))
 
 
+class RunFailed(RuntimeError):
+    """A benchmark run that exited non-zero; `reason`, the first `error:` line it wrote
+    (app.train's and launch.local's one-line reasons), or ''."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# "error: ..." as app.train writes it, or "[chief:0] error: ..." through launch.local.
+_ERROR_LINE = re.compile(r"^(?:\[[\w:]+\] )?error: (.*)$", re.MULTILINE)
+
+
 def measure(args: list[str], workdir: pathlib.Path) -> dict:
     """Run `python <args>` once; its metrics.json, with the peak memory of all its
     processes and the CPU seconds they used, summed by cluster task type."""
@@ -423,8 +436,10 @@ def measure(args: list[str], workdir: pathlib.Path) -> dict:
             reads.update(procstat.read_chars(pids))
             time.sleep(0.2)
     if process.returncode:
-        tail = workdir.with_suffix(".log").read_text()[-3000:]
-        raise RuntimeError(f"benchmark run failed: {' '.join(args)}\n{tail}")
+        output = workdir.with_suffix(".log").read_text()
+        said = _ERROR_LINE.search(output)
+        raise RunFailed(f"benchmark run failed: {' '.join(args)}\n{output[-3000:]}",
+                        said.group(1) if said else "")
     metrics = json.loads((workdir / "metrics.json").read_text())
     if carried := link_bytes(workdir.with_suffix(".log").read_text()):
         metrics["link_mib"] = carried
@@ -468,7 +483,9 @@ def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repea
                 metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
             except RuntimeError as e:
                 failed.setdefault(name, str(e))
-                print(f"  repeat {r + 1}/{repeats} {name}: failed", file=sys.stderr)
+                reason = getattr(e, "reason", "")
+                print(f"  repeat {r + 1}/{repeats} {name}: failed"
+                      + (f": {reason}" if reason else ""), file=sys.stderr)
                 continue
             if link:
                 metrics["link"] = link
