@@ -9,6 +9,7 @@ tasks do: make test's runners share the two cores.
 import json
 import os
 import resource
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -63,14 +64,18 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
     """With TEST_CPU_LOG=FILE, each test's CPU seconds (setup, call and teardown; the
     runner's own threads and every process it started and reaped, the tasks of a
-    launch.local included) appended to FILE as `seconds nodeid`. `make test` is bound
-    by the two cores, not by waiting: what a test costs the suite is its CPU time."""
+    launch.local included) appended to FILE as `cpu_s wall_s start runner nodeid`
+    (`start` in Unix seconds, `runner` xdist's name for it). What a test costs the
+    suite is mostly its CPU time; its wall time and start show a runner left alone
+    at the end of a phase, or a test that waits more than it computes."""
     log = os.environ.get("TEST_CPU_LOG")
-    before = _cpu_seconds() if log else 0.0
+    before, start = (_cpu_seconds(), time.time()) if log else (0.0, 0.0)
     yield
     if log:
+        runner = os.environ.get("PYTEST_XDIST_WORKER", "main")
         with open(log, "a") as f:
-            f.write(f"{_cpu_seconds() - before:.2f} {item.nodeid}\n")
+            f.write(f"{_cpu_seconds() - before:.2f} {time.time() - start:.2f} {start:.2f} "
+                    f"{runner} {item.nodeid}\n")
 
 
 def _cpu_seconds() -> float:
