@@ -30,11 +30,14 @@ except cfg.ConfigError:  # imported by a script whose TensorFlow has started (a
 # test`'s runners take the files in collection order (--no-loadscope-reorder):
 # started first, the long ones end beside the many short ones instead of after
 # them. Only an order: a file not listed runs after these, as collected.
-LONGEST_FIRST = ("test_compat_multi_worker.py", "test_compat.py", "test_exactly_once.py",
-                 "test_sigterm.py", "test_restart_task.py", "test_multi_worker.py",
-                 "test_slurm_jobs.py",
+# test_steps_per_execution.py's MultiWorkerMirrored pair (the file's first test) computes
+# for about 25 s but may wait for minutes (docs/testing.md): started last, it once ran
+# alone at the end of the first phase for 3 minutes.
+LONGEST_FIRST = ("test_compat_multi_worker.py", "test_steps_per_execution.py", "test_compat.py",
+                 "test_exactly_once.py", "test_sigterm.py", "test_restart_task.py",
+                 "test_multi_worker.py", "test_slurm_jobs.py",
                  "test_network.py", "test_launch_local.py", "test_data_service.py",
-                 "test_train_cli.py", "test_restart.py")
+                 "test_train_cli.py", "test_restart.py", "test_sync_ps.py", "test_resume_ps.py")
 # Files whose tests are independent of each other (no module fixture, no order):
 # each test may run on either runner. Every other file runs whole on one runner, in
 # order, its module fixtures built once.

@@ -78,6 +78,20 @@ def check(metrics: dict, workdir: pathlib.Path, keras: str, source: str) -> None
     assert metrics["test_loss"] == pytest.approx(float(np.mean(loss)), rel=1e-4)
 
 
+# First in the file: it waits more than it computes (tests/conftest.py, LONGEST_FIRST).
+@pytest.mark.slow
+def test_multi_worker_mirrored(tmp_path):
+    from tests.launching import run_workers
+
+    outputs = run_workers(__file__, str(tmp_path), timeout=900)
+    results = json.loads(outputs[0].split("RESULTS ", 1)[1].splitlines()[0])
+    assert list(results) == [f"{keras}-{source}" for keras, source in CASES]
+    for keras, source in CASES:
+        metrics = results[f"{keras}-{source}"]
+        assert (metrics["strategy"], metrics["num_workers"]) == ("MultiWorkerMirroredStrategy", 2)
+        check(metrics, tmp_path / f"{keras}-{source}", keras, source)
+
+
 @pytest.mark.parametrize("keras,source", CASES)
 @pytest.mark.parametrize("kind", ["default", "mirrored"])
 def test_one_host(kind, keras, source, tmp_path):
@@ -247,19 +261,6 @@ def test_a_keras_layer_reads_its_kernel_as_float16(keras, ps_strategy):
         coordinator.schedule(closure(half))
         coordinator.join()
         assert float(out.numpy()) == pytest.approx(expected, abs=1e-6)
-
-
-@pytest.mark.slow
-def test_multi_worker_mirrored(tmp_path):
-    from tests.launching import run_workers
-
-    outputs = run_workers(__file__, str(tmp_path), timeout=900)
-    results = json.loads(outputs[0].split("RESULTS ", 1)[1].splitlines()[0])
-    assert list(results) == [f"{keras}-{source}" for keras, source in CASES]
-    for keras, source in CASES:
-        metrics = results[f"{keras}-{source}"]
-        assert (metrics["strategy"], metrics["num_workers"]) == ("MultiWorkerMirroredStrategy", 2)
-        check(metrics, tmp_path / f"{keras}-{source}", keras, source)
 
 
 def main() -> int:
