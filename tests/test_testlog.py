@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tools import testlog
 
 # Two phases 20 s apart. In the first, gw0 runs out of work at 10 s while gw1
@@ -35,10 +37,12 @@ def test_a_phase_its_runners_and_the_tests_that_waited_are_told_apart(tmp_path):
     ]
 
 
-def test_an_older_log_is_refused_with_what_it_lacks(tmp_path, capsys):
+@pytest.mark.parametrize("line", ["4.00 tests/test_a.py::test_one",  # an older log
+                                  "4.00 5.00 soon gw0 tests/test_a.py::test_one"])
+def test_a_line_that_is_not_a_test_is_refused_with_what_it_holds(line, tmp_path, capsys):
     log = tmp_path / "cpu.log"
-    log.write_text("4.00 tests/test_a.py::test_one\n")
+    log.write_text(f"4.00 5.00 1000.00 gw0 tests/test_a.py::test_zero\n{line}\n")
     assert testlog.main([str(log)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {log}:1: not `cpu_s wall_s start runner nodeid`")
-    assert "\n" not in err.rstrip("\n")
+    assert err == (f"error: {log}:2: not `cpu_s wall_s start runner nodeid` (an older "
+                   f"TEST_CPU_LOG holds `cpu_s nodeid` only): {line!r}\n")

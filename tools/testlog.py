@@ -34,11 +34,12 @@ def read(path: pathlib.Path) -> list[Test]:
     tests = []
     for number, line in enumerate(path.read_text().splitlines(), 1):
         fields = line.split(None, 4)
-        if len(fields) != 5:
+        try:
+            cpu, wall, start, runner, nodeid = fields
+            tests.append(Test(float(cpu), float(wall), float(start), runner, nodeid))
+        except ValueError:  # too few fields, or a number that is not one
             raise ValueError(f"{path}:{number}: not `cpu_s wall_s start runner nodeid` (an "
-                             "older TEST_CPU_LOG holds `cpu_s nodeid` only): {line!r}")
-        cpu, wall, start, runner, nodeid = fields
-        tests.append(Test(float(cpu), float(wall), float(start), runner, nodeid))
+                             f"older TEST_CPU_LOG holds `cpu_s nodeid` only): {line!r}") from None
     return sorted(tests, key=lambda t: t.start)
 
 
