@@ -141,6 +141,25 @@ def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other()
     assert results["defaults"]["ratio"] == 1.0 and results["baseline"]["ratio"] == 1.0
 
 
+def test_every_row_runs_with_the_settings_its_name_says():
+    from app import config as cfg
+
+    base = bench.train_args("configs/mnist.toml", [], 10)
+    named = {"nospin": ("runtime", "thread_spinning", False),
+             "fp16": ("ps", "compression", "fp16"), "spe8": ("train", "steps_per_execution", 8),
+             "threads2": ("runtime", "intra_op_threads", 2)}
+    checked = 0
+    for row in bench.ROWS:
+        args = bench.row_args(row, base, gpus=0)
+        config = cfg.load("configs/mnist.toml",
+                          [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+        for word, (section, key, value) in named.items():
+            if word in row.split("_") and (word != "fp16" or row.startswith("ps_")):
+                assert getattr(getattr(config, section), key) == value, (row, key)
+                checked += 1
+    assert checked > 10
+
+
 def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
     def measure(args, workdir):
         if "mirrored" in args:

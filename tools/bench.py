@@ -109,8 +109,14 @@ DEFAULTS = _project_defaults()
 
 
 def _at_defaults(what: str, args: tuple[str, ...], *sets: str) -> Row:
-    """`args` at the project's defaults, then `sets` (which may change one of PLAIN's)."""
-    return Row(f"{what}, at the project's defaults", (*args, *_sets(*DEFAULTS, *sets)),
+    """`args` at the project's defaults, then `sets` (which may change one of PLAIN's).
+
+    A PLAIN key that `args` sets itself (`_ps(2, 2, _NOSPIN)`) keeps the row's value: the
+    defaults come after `args` on the command line, and the last `--set` wins.
+    """
+    own = {args[i + 1].split("=")[0] for i, flag in enumerate(args[:-1]) if flag == "--set"}
+    defaults = [item for item in DEFAULTS if item.split("=")[0] not in own]
+    return Row(f"{what}, at the project's defaults", (*args, *_sets(*defaults, *sets)),
                base="defaults")
 
 
