@@ -160,6 +160,27 @@ def test_every_row_runs_with_the_settings_its_name_says():
     assert checked > 10
 
 
+def test_seeds_train_each_repeat_at_its_own_seed_and_keep_every_metric(tmp_path, monkeypatch):
+    seen = []
+
+    def measure(args, workdir):
+        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+        seed = int(next(s for s in reversed(sets) if s.startswith("train.seed="))[11:])
+        seen.append(seed)
+        return {"train_examples_per_sec": 500.0, "peak_memory_mib": 900.0, "num_replicas": 1,
+                "metric": "test_accuracy", "test_accuracy": 0.9 + seed / 100}
+
+    monkeypatch.setattr(bench, "measure", measure)
+    assert bench.main(["--rows", "baseline", "--repeats", "3", "--seeds",
+                       "--workdir", str(tmp_path)]) == 0
+    assert seen == [0, 1, 2]
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["seeds"] == [0, 1, 2]
+    row = report["rows"]["baseline"]
+    assert row["test_metric_samples"] == [0.9, 0.91, 0.92]
+    assert row["test_metric_mean"] == 0.91
+
+
 def test_a_failed_run_keeps_the_rows_that_ran(tmp_path, monkeypatch, capsys):
     def measure(args, workdir):
         if "mirrored" in args:

@@ -299,6 +299,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="config override for every row, e.g. train.global_batch_size=128")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seeds", action="store_true",
+                        help="repeat r trains with train.seed = r - 1 (initial weights and "
+                             "order of examples), every row alike: the test metric's spread "
+                             "over seeds, and its mean, beside the median")
     parser.add_argument("--whole-test-set", action="store_true",
                         help="evaluate each run on the task's whole test set (default: one "
                              "batch): its test metric after the same training examples")
@@ -477,16 +481,20 @@ def link_bytes(log: str) -> dict[str, list[float]]:
 
 
 def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repeats: int,
-        gpus: int, tmp: pathlib.Path) -> tuple[dict[str, dict], dict[str, str]]:
-    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved;
-    (the summary of the runs that finished, the error of each row with a failed run).
-    A failed run does not stop the others: a long sweep keeps what it measured."""
+        gpus: int, tmp: pathlib.Path, seeds: bool = False
+        ) -> tuple[dict[str, dict], dict[str, str]]:
+    """Measure each (name, row, link) of `schedule` `repeats` times, interleaved, repeat r
+    at `train.seed = r` if `seeds`; (the summary of the runs that finished, the error of
+    each row with a failed run). A failed run does not stop the others: a long sweep keeps
+    what it measured."""
     runs: dict[str, list[dict]] = {name: [] for name, _, _ in schedule}
     failed: dict[str, str] = {}
     for r in range(repeats):
         for i, (name, row, link) in enumerate(schedule):
             try:
-                metrics = measure(row_args(row, base_args, gpus, link), tmp / f"{r}-{i}")
+                seed = [*_sets(f"train.seed={r}")] if seeds else []
+                metrics = measure([*row_args(row, base_args, gpus, link), *seed],
+                                  tmp / f"{r}-{i}")
             except RuntimeError as e:
                 failed.setdefault(name, str(e))
                 reason = getattr(e, "reason", "")
@@ -499,11 +507,12 @@ def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repea
             print(f"  repeat {r + 1}/{repeats} {name}: "
                   f"{metrics['train_examples_per_sec']:.0f} examples/s", file=sys.stderr)
     done = {name: metrics for name, metrics in runs.items() if metrics}
-    return (summarize(done) if done else {}), failed
+    return (summarize(done, seeds) if done else {}), failed
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
-    """Per row: median examples/s, ratio to its base row, peak memory, ps figures."""
+def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dict]:
+    """Per row: median examples/s, ratio to its base row, peak memory, ps figures; the
+    test metric of each repeat, and with `seeds` (a seed a repeat) their mean."""
     results = {}
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
@@ -515,12 +524,16 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
             # The task's headline metric (test_accuracy for MNIST; app/task.py).
             "metric": metrics[0].get("metric", "test_accuracy"),
             "test_metric": statistics.median(m.get(m.get("metric"), 0) for m in metrics),
+            "test_metric_samples": [m.get(m.get("metric"), 0) for m in metrics],
             "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
             "cpu_seconds": {task: statistics.median(m["cpu_seconds"].get(task, 0)
                                                     for m in metrics)
                             for task in metrics[0].get("cpu_seconds", {})},
             "num_replicas": metrics[0]["num_replicas"],
         }
+        if seeds:
+            results[row]["test_metric_mean"] = round(
+                statistics.mean(results[row]["test_metric_samples"]), 6)
         for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link",
                     "test_auc", "bayes_test_auc", "ps_traffic"):
             if key in metrics[0]:
@@ -575,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     load = {"date": datetime.date.today().isoformat(),
             "load_average_before": [round(x, 2) for x in os.getloadavg()]}
     with tempfile.TemporaryDirectory() as tmp:
-        results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp))
+        results, failed = run(schedule, base_args, args.repeats, host["gpus"], pathlib.Path(tmp),
+                              args.seeds)
     load["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
     for error in failed.values():
         print(f"error: {error}", file=sys.stderr)
@@ -583,7 +597,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
     report = {"command": command, "machine": host, **load, "steps": args.steps,
-              "repeats": args.repeats, **({"links": links} if links != [None] else {}),
+              "repeats": args.repeats,
+              **({"seeds": list(range(args.repeats))} if args.seeds else {}),
+              **({"links": links} if links != [None] else {}),
               "rows": results, **({"failed": failed} if failed else {})}
     (args.workdir / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     drawn = bench_report.draw(report, args.workdir / "bench.png")
