@@ -8,9 +8,12 @@ these, only this module breaks, and only the runs that use it:
   calls TensorFlow's own per-replica input path for one-replica workers. If it
   moves, those workers fail at the first fit(); the public fallback is to drop
   the subclass (TF's MultiDeviceIterator, slower on CPUs).
-- `sleep`: tf.data's testing sleep transformation, the one sleep that can run
-  inside a remote function without burning a core; only `debug.slow_worker`
-  (straggler injection) imports it. If it moves, only that debug switch breaks.
+- `ticks`, `sleep`: tf.data's testing sleep transformation, the one sleep that can run
+  inside a remote function without burning a core. A synchronous run's workers wait
+  with it for their turn (`exchange.wait_turn`), and `debug.slow_worker` (straggler
+  injection) sleeps with it. If it moves, `ps.mode = "sync"` fails as its step is
+  traced (tests/test_sync_ps.py); there is no public way to wait inside a remote
+  function but a loop that spins.
 - `exported_names`: the function through which `tf.saved_model.save` copies each
   variable into the SavedModel's graph, named as the variable is. If it moves,
   `tests/test_dialects.py` fails on an export with a layer whose name begins with
@@ -81,13 +84,29 @@ def new_collective_keys() -> None:
     tf.distribute.MirroredStrategy._collective_key_base += 100_000
 
 
-def sleep(microseconds: tf.Tensor) -> tf.Tensor:
-    """Sleep `microseconds` inside a tf.function, without holding a core."""
+def ticks(microseconds: tf.Tensor):
+    """Inside a tf.function, an iterator each `next` of which sleeps `microseconds`
+    (and gives 0), without holding a core. Make it once, before a loop that waits:
+    making an iterator is most of a sleep's cost (below).
+
+    Its dataset is neither autotuned nor rewritten. With tf.data's defaults a sleep of
+    1 ms made in a loop cost 2.8 ms of CPU and took 5.3 ms: a worker waiting for its
+    turn in a synchronous run kept half a core busy. Without them a sleep made in the
+    loop costs 0.7 ms of CPU, a `next` of one iterator 0.2 ms (`experiments/sleep_cost.py`).
+    """
     from tensorflow.python.data.experimental.ops.testing import sleep as transformation
 
-    delay = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).apply(
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    options.experimental_optimization.apply_default_optimizations = False
+    delays = tf.data.Dataset.from_tensors(tf.constant(0, tf.int64)).repeat().apply(
         transformation(microseconds))
-    return next(iter(delay))
+    return iter(delays.with_options(options))
+
+
+def sleep(microseconds: tf.Tensor) -> tf.Tensor:
+    """Sleep `microseconds` once inside a tf.function, without holding a core (`ticks`)."""
+    return next(ticks(microseconds))
 
 
 def in_control_flow(graph, outer) -> bool:

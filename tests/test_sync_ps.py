@@ -108,10 +108,11 @@ def _late(version: tf.Variable, final: int, jitter_us: int = 0, late: bool = Tru
         def drained():
             return tf.constant(False) if draining is None else draining.read_value()
 
+        tick = tf_internal.ticks(tf.constant(1000, tf.int64))
         return tf.while_loop(
             lambda slept: ((version.read_value() <= seen) & (seen < final)
                            & (tf.timestamp() < deadline) & tf.logical_not(drained())),
-            lambda slept: slept + tf_internal.sleep(tf.constant(1000, tf.int64)),
+            lambda slept: slept + next(tick),
             [tf.constant(0, tf.int64)])[0]
 
     def jitter(ready: list[tf.Tensor]) -> tf.Tensor:
@@ -125,6 +126,18 @@ def _late(version: tf.Variable, final: int, jitter_us: int = 0, late: bool = Tru
         return stragglers.hold(values, is_slow, wait) if late else values
 
     return straggle
+
+
+def test_one_ticks_iterator_sleeps_at_every_next_of_a_loop():
+    @tf.function
+    def sleeps():
+        tick = tf_internal.ticks(tf.constant(1, tf.int64))  # made once, outside the loop
+        return tf.while_loop(lambda i, total: i < 50,
+                             lambda i, total: (i + 1, total + next(tick)),
+                             [tf.constant(0, tf.int64), tf.constant(0, tf.int64)])
+
+    done, total = sleeps()
+    assert (int(done), int(total)) == (50, 0)  # 50 sleeps, each giving 0; none ran out
 
 
 def test_with_a_backup_worker_updates_never_wait_for_the_straggler(

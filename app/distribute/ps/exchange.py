@@ -134,11 +134,13 @@ class Exchange:
         nothing moved it (a 300 s hang in tests/test_sync_ps.py). Such a worker goes on.
         The update marks `chosen_at` before it marks the parts it takes: a worker that
         sees its part taken and then reads `chosen_at` knows whether it is being read."""
+        tick = tf_internal.ticks(tf.constant(WAIT_POLL_US, tf.int64))
+
         def waiting(slept):
             return self.holds_turn(worker)
 
         def sleep(slept):
-            return slept + tf_internal.sleep(tf.constant(WAIT_POLL_US, tf.int64))
+            return slept + next(tick)
 
         return tf.while_loop(waiting, sleep, [tf.constant(0, tf.int64)])[0]
 
