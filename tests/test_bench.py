@@ -118,16 +118,14 @@ def test_defaults_rows_run_at_the_project_defaults_and_compare_with_each_other()
     base = bench.train_args("configs/mnist.toml", [], 10)  # the plain settings first
     for row in ("defaults", "mwms_2w_defaults", "ps_2w2p_defaults"):
         args = bench.row_args(row, base, gpus=0)
-        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-        config = cfg.load("configs/mnist.toml", sets)  # the last --set wins, as in app.train
+        config = cfg.load("configs/mnist.toml", sets(args))  # the last --set wins, as in app.train
         assert config.runtime == cfg.load("configs/mnist.toml").runtime
         assert config.train.precision == cfg.Config().train.precision
         assert bench.ROWS[row].base == "defaults"
     assert "runtime.onednn=true" in bench.DEFAULTS  # what a user gets, unlike PLAIN
     for row in ("defaults_spe8", "ps_2w2p_spe8_defaults", "mwms_2w_spe8_defaults"):
         args = bench.row_args(row, base, gpus=0)
-        config = cfg.load("configs/mnist.toml",
-                          [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+        config = cfg.load("configs/mnist.toml", sets(args))
         # The row's own setting of one of PLAIN's keys comes after the defaults, and wins.
         assert config.train.steps_per_execution == 8, row
         assert config.runtime == cfg.load("configs/mnist.toml").runtime
@@ -151,8 +149,7 @@ def test_every_row_runs_with_the_settings_its_name_says():
     checked = 0
     for row in bench.ROWS:
         args = bench.row_args(row, base, gpus=0)
-        config = cfg.load("configs/mnist.toml",
-                          [args[i + 1] for i, a in enumerate(args) if a == "--set"])
+        config = cfg.load("configs/mnist.toml", sets(args))
         for word, (section, key, value) in named.items():
             if word in row.split("_") and (word != "fp16" or row.startswith("ps_")):
                 assert getattr(getattr(config, section), key) == value, (row, key)
@@ -164,8 +161,7 @@ def test_seeds_train_each_repeat_at_its_own_seed_and_keep_every_metric(tmp_path,
     seen = []
 
     def measure(args, workdir):
-        sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
-        seed = int(next(s for s in reversed(sets) if s.startswith("train.seed="))[11:])
+        seed = int(next(s for s in reversed(sets(args)) if s.startswith("train.seed="))[11:])
         seen.append(seed)
         return {"train_examples_per_sec": 500.0, "peak_memory_mib": 900.0, "num_replicas": 1,
                 "metric": "test_accuracy", "test_accuracy": 0.9 + seed / 100}

@@ -67,6 +67,11 @@ def _sets(*items: str) -> tuple[str, ...]:
     return tuple(arg for item in items for arg in ("--set", item))
 
 
+def _set_items(args) -> list[str]:
+    """The KEY=VALUE items of `args`' `--set`s, in order (what `_sets` writes)."""
+    return [args[i + 1] for i, flag in enumerate(args[:-1]) if flag == "--set"]
+
+
 _BASELINE = (*_TRAIN, "--strategy", "default")
 
 
@@ -114,7 +119,7 @@ def _at_defaults(what: str, args: tuple[str, ...], *sets: str) -> Row:
     A PLAIN key that `args` sets itself (`_ps(2, 2, _NOSPIN)`) keeps the row's value: the
     defaults come after `args` on the command line, and the last `--set` wins.
     """
-    own = {args[i + 1].split("=")[0] for i, flag in enumerate(args[:-1]) if flag == "--set"}
+    own = {item.split("=")[0] for item in _set_items(args)}
     defaults = [item for item in DEFAULTS if item.split("=")[0] not in own]
     return Row(f"{what}, at the project's defaults", (*args, *_sets(*defaults, *sets)),
                base="defaults")
@@ -374,8 +379,7 @@ def row_cluster(row: str) -> tuple[int, int, list[str]]:
     """(workers, ps tasks, --set items) of a multi-task row."""
     args = ROWS[row].args
     value = {flag: args[i + 1] for i, flag in enumerate(args) if flag.startswith("--")}
-    sets = [args[i + 1] for i, flag in enumerate(args) if flag == "--set"]
-    return int(value["--workers"]), int(value["--ps"]), sets
+    return int(value["--workers"]), int(value["--ps"]), _set_items(args)
 
 
 def plan_bound(row: str, link: str, config_path: str, overrides: list[str]
@@ -492,7 +496,7 @@ def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repea
     for r in range(repeats):
         for i, (name, row, link) in enumerate(schedule):
             try:
-                seed = [*_sets(f"train.seed={r}")] if seeds else []
+                seed = _sets(f"train.seed={r}") if seeds else ()
                 metrics = measure([*row_args(row, base_args, gpus, link), *seed],
                                   tmp / f"{r}-{i}")
             except RuntimeError as e:
@@ -516,6 +520,7 @@ def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dic
     results = {}
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
+        tested = [m.get(m.get("metric"), 0) for m in metrics]
         results[row] = {
             "what": ROWS[row.split("@")[0]].what,
             "examples_per_sec": statistics.median(samples),
@@ -523,8 +528,8 @@ def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dic
             "steps_per_sec": statistics.median(m.get("train_steps_per_sec", 0) for m in metrics),
             # The task's headline metric (test_accuracy for MNIST; app/task.py).
             "metric": metrics[0].get("metric", "test_accuracy"),
-            "test_metric": statistics.median(m.get(m.get("metric"), 0) for m in metrics),
-            "test_metric_samples": [m.get(m.get("metric"), 0) for m in metrics],
+            "test_metric": statistics.median(tested),
+            "test_metric_samples": tested,
             "peak_memory_mib": max(m["peak_memory_mib"] for m in metrics),
             "cpu_seconds": {task: statistics.median(m["cpu_seconds"].get(task, 0)
                                                     for m in metrics)
@@ -532,8 +537,7 @@ def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dic
             "num_replicas": metrics[0]["num_replicas"],
         }
         if seeds:
-            results[row]["test_metric_mean"] = round(
-                statistics.mean(results[row]["test_metric_samples"]), 6)
+            results[row]["test_metric_mean"] = round(statistics.mean(tested), 6)
         for key in ("mode", "backup_workers", "stale_dropped", "contributions", "link",
                     "test_auc", "bayes_test_auc", "ps_traffic"):
             if key in metrics[0]:
