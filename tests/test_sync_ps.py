@@ -1,6 +1,7 @@
 """Synchronous parameter-server training (ps.mode = sync) on the in-process
 cluster of conftest.py: 2 workers, 2 ps, this process the chief."""
 
+import collections
 import contextlib
 
 import keras as keras3
@@ -600,3 +601,35 @@ def test_slots_that_would_not_fit_the_memory_limit_are_refused_before_training(
               r.getMessage()]
     assert len(warned) == 1 and "table" in warned[0]
     assert "2 workers' slots of 256.0 MiB" in warned[0]
+
+
+def _polls_until(ready_at: float, took, poll_s: float = 0.001) -> tuple[int, float]:
+    """(polls, how late the last one was) of the chief's wait for an update ready
+    `ready_at` s after it began, on a clock that moves only by its pauses."""
+    now, polls = 0.0, 0
+    while True:
+        polls += 1
+        if now >= ready_at:
+            return polls, now - ready_at
+        now += sync_ps.poll_pause(took, now, poll_s)
+
+
+def test_the_chief_polls_every_poll_s_until_it_knows_how_long_an_update_waits():
+    polls, late = _polls_until(0.05, [])
+    assert polls > 40 and late < 0.001
+
+
+def test_a_wait_as_long_as_the_recent_ones_takes_a_dozen_polls_and_ends_as_soon():
+    polls, late = _polls_until(0.4, [0.4, 0.5, 0.45])
+    assert polls <= 12 and late < 0.001
+    assert _polls_until(0.6, [0.4])[1] < 0.001  # a longer one: polls every poll_s at its end
+
+
+def test_after_waits_grow_shorter_the_chief_is_late_once_by_at_most_half_the_shortest():
+    took = collections.deque([0.4] * 8, maxlen=8)
+    lates = []
+    for _ in range(4):
+        polls, late = _polls_until(0.15, took)
+        took.append(0.15 + late)
+        lates.append(late)
+    assert lates[0] <= 0.2 and max(lates[1:]) < 0.001
