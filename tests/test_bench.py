@@ -151,7 +151,7 @@ def test_every_row_runs_with_the_settings_its_name_says():
         args = bench.row_args(row, base, gpus=0)
         config = cfg.load("configs/mnist.toml", sets(args))
         for word, (section, key, value) in named.items():
-            if word in row.split("_") and (word != "fp16" or row.startswith("ps_")):
+            if word in row.split("_") and (word != "fp16" or row.startswith(("ps_", "sync_"))):
                 assert getattr(getattr(config, section), key) == value, (row, key)
                 checked += 1
     assert checked > 10

@@ -159,6 +159,10 @@ ROWS: dict[str, Row] = {
     "sync_2w2p_nospin_defaults": _at_defaults(
         "ParameterServer sync (ps.mode=sync): chief + 2 workers + 2 ps, no task's thread "
         "pools spinning (runtime.thread_spinning=false)", _ps(2, 2, "ps.mode=sync", _NOSPIN)),
+    "sync_2w2p_fp16_nospin_defaults": _at_defaults(
+        "sync_2w2p_nospin_defaults, gradients deposited as float16 (ps.compression=fp16): "
+        "half the bytes of each deposit and of the slots",
+        _ps(2, 2, "ps.mode=sync", "ps.compression=fp16", _NOSPIN)),
     "mwms_2w_nospin_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, their thread pools not spinning "
         "(runtime.thread_spinning=false)", _ps(2, 0, _NOSPIN)),
