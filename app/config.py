@@ -273,7 +273,8 @@ class PSConfig:
     # updates before, beside the other workers' (docs/benchmarks.md). At most
     # train.steps_per_execution: each closure starts with a read.
     read_every: int = field(1, above=0)
-    # In async mode, in the project's loop (as read_every): "fp16": each read of the
+    # In the project's loop (as read_every; in ps.mode = sync too, where each
+    # contribution reads the variables after each update): "fp16": each read of the
     # model's float32 variables crosses from the ps tasks as float16 (the ps casts, the
     # worker casts back), half the bytes of every read; the forward and backward pass
     # see the weights rounded to float16, and the update is applied to the float32

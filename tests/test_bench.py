@@ -18,6 +18,14 @@ def test_runs_are_pure_training_of_the_asked_steps():
     assert "eval.test_every_epoch=false" in sets(args) and "train.epochs=1" in sets(args)
 
 
+def test_epochs_train_over_the_same_examples_again(tmp_path, capsys):
+    args = bench.train_args("configs/mnist.toml", ["train.global_batch_size=64"], steps=10,
+                            epochs=5)
+    assert "task.train_examples=640" in sets(args) and "train.epochs=5" in sets(args)
+    assert bench.main(["--rows", "baseline", "--epochs", "0", "--workdir", str(tmp_path)]) == 2
+    assert "--epochs must be at least 1, not 0" in capsys.readouterr().err
+
+
 def test_a_run_may_be_evaluated_on_the_whole_test_set():
     args = bench.train_args("configs/mnist.toml", [], steps=10, whole_test_set=True)
     assert not [a for a in args if a.startswith("task.test_examples=")]
@@ -145,7 +153,8 @@ def test_every_row_runs_with_the_settings_its_name_says():
     base = bench.train_args("configs/mnist.toml", [], 10)
     named = {"nospin": ("runtime", "thread_spinning", False),
              "fp16": ("ps", "compression", "fp16"), "spe8": ("train", "steps_per_execution", 8),
-             "threads2": ("runtime", "intra_op_threads", 2)}
+             "threads2": ("runtime", "intra_op_threads", 2),
+             "both": ("ps", "read_compression", "fp16")}
     checked = 0
     for row in bench.ROWS:
         args = bench.row_args(row, base, gpus=0)

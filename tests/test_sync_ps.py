@@ -49,11 +49,12 @@ def _model() -> keras.Model:
 
 
 def _training(strategy, model, backup_workers: int, straggler=None, path=None,
-              train=None) -> sync_ps.SyncTraining:
+              train=None, half_reads: bool = False) -> sync_ps.SyncTraining:
     return sync_ps.SyncTraining(
         model, train or model.train_step, tf.distribute.coordinator.ClusterCoordinator(strategy),
         path or keras2_sync.UpdatePath(),
-        sync_ps.Settings(num_workers=2, backup_workers=backup_workers, straggler=straggler))
+        sync_ps.Settings(num_workers=2, backup_workers=backup_workers, straggler=straggler,
+                         half_reads=half_reads))
 
 
 def _fit(training: sync_ps.SyncTraining, dataset_fn, steps: int, tmp_path,
@@ -65,26 +66,32 @@ def _fit(training: sync_ps.SyncTraining, dataset_fn, steps: int, tmp_path,
     return figures
 
 
+@pytest.mark.parametrize("half_reads", [False, True])
 def test_sync_without_backups_equals_one_process_taking_the_averaged_steps(
-        ps_strategy, tmp_path):
+        ps_strategy, tmp_path, half_reads):
+    # With half_reads (ps.read_compression = fp16) each contribution's forward and backward
+    # pass see the weights rounded to float16, and the update applies to the float32 ones.
     keras.utils.set_random_seed(1)
     with ps_strategy.scope():
         model = _model()
-    training = _training(ps_strategy, model, backup_workers=0)
+    training = _training(ps_strategy, model, backup_workers=0, half_reads=half_reads)
     figures = _fit(training, _in_order, 6, tmp_path)
     assert figures == {"contributions": [6, 6], "pushed": [6, 6], "stale_dropped": 0}
 
     keras.utils.set_random_seed(1)
     reference = _model()  # same seed: same initial weights
+    seen = _model()  # the weights a contribution computes on
     images, labels = _examples()
     shards = [(images[i::2], labels[i::2]) for i in range(2)]
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     for k in range(6):
         rows = slice(BATCH * k, BATCH * (k + 1))
+        seen.set_weights([w.astype(np.float16).astype(np.float32) if half_reads else w
+                          for w in reference.get_weights()])
         with tf.GradientTape() as tape:
             # The mean of the two workers' mean losses: the mean of their gradients.
-            value = tf.add_n([loss(y[rows], reference(x[rows])) for x, y in shards]) / 2
-        grads = tape.gradient(value, reference.trainable_variables)
+            value = tf.add_n([loss(y[rows], seen(x[rows])) for x, y in shards]) / 2
+        grads = tape.gradient(value, seen.trainable_variables)
         reference.optimizer.apply_gradients(zip(grads, reference.trainable_variables, strict=True))
     for got, want in zip(model.get_weights(), reference.get_weights(), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -224,6 +231,13 @@ def test_every_update_averages_contributions_computed_on_the_version_it_updates(
     assert figures["stale_dropped"] == sum(figures["pushed"]) - required * UPDATES
 
 
+def _cast_to_half(tensor: tf.Tensor) -> bool:
+    """Whether `tensor`, through identities, is cast to float16."""
+    return any(op.type == "Cast" and op.outputs[0].dtype == tf.float16
+               or op.type == "Identity" and _cast_to_half(op.outputs[0])
+               for op in tensor.consumers())
+
+
 def _after(op: tf.Operation, first: tf.Operation) -> bool:
     """Whether `op` runs after `first`: a path of inputs or control inputs leads back to it."""
     seen, stack = set(), [op]
@@ -237,13 +251,15 @@ def _after(op: tf.Operation, first: tf.Operation) -> bool:
     return False
 
 
-@pytest.mark.parametrize("keras_name", ["tf_keras", "keras"])
+@pytest.mark.parametrize("keras_name, compression", [
+    ("tf_keras", "none"), ("keras", "none"), ("tf_keras", "fp16"), ("keras", "fp16")])
 def test_a_contribution_reads_every_variable_after_the_version(ps_strategy, ps_cluster,
-                                                               keras_name):
+                                                               keras_name, compression):
     """The ordering the exactness test relies on, in the graph: each read of a model
     variable, and the deposit's, follows the version's read (the train step runs in
-    strategy.run's own thread, where the caller's control dependencies do not reach)."""
-    config = _config(f"task.keras={keras_name}")
+    strategy.run's own thread, where the caller's control dependencies do not reach),
+    as float32 or as float16 (ps.read_compression)."""
+    config = _config(f"task.keras={keras_name}", f"ps.read_compression={compression}")
     runner = runners.create(config, ps_cluster, ps_strategy)
     task = tiny_task(config)
     runner.build(task, lambda dialect: dialect.optimizer("sgd", 0.1, config.sync, config.ps))
@@ -262,6 +278,8 @@ def test_a_contribution_reads_every_variable_after_the_version(ps_strategy, ps_c
              if op.type == "ReadVariableOp" and op.inputs[0].op in model]
     assert len(read_version) == 1 and len(reads) >= len(variables) > 0
     assert all(_after(op, read_version[0]) for op in reads)
+    halved = [op for op in reads if _cast_to_half(op.outputs[0])]
+    assert len(halved) == (len(reads) if compression == "fp16" else 0)
 
 
 # -- trainer.run ---------------------------------------------------------------------------
@@ -310,9 +328,6 @@ def test_run_with_a_straggler(mode, keras_name, ps_strategy, ps_cluster, tmp_pat
                                      "workers each update waits for (workers - "
                                      "ps.backup_workers) (2); use 14 or 16"),
     (["debug.slow_worker=2"], "debug.slow_worker = 2 is not a worker of this cluster (0 to 1)"),
-    (["ps.read_compression=fp16"], "ps.read_compression = fp16 is for ps.mode = async: the "
-                                   "synchronous loop reads the variables as float32; set it to "
-                                   "none, or use ps.mode = async"),
     (["ps.read_every=2", "train.steps_per_execution=2"],
      "ps.read_every = 2 is for ps.mode = async: each step of the synchronous loop reads the "
      "variables; set it to 1, or use ps.mode = async"),

@@ -163,6 +163,10 @@ ROWS: dict[str, Row] = {
         "sync_2w2p_nospin_defaults, gradients deposited as float16 (ps.compression=fp16): "
         "half the bytes of each deposit and of the slots",
         _ps(2, 2, "ps.mode=sync", "ps.compression=fp16", _NOSPIN)),
+    "sync_2w2p_fp16_both_nospin_defaults": _at_defaults(
+        "sync_2w2p_fp16_nospin_defaults, the variables read as float16 too "
+        "(ps.read_compression=fp16): half the bytes a worker reads after each update",
+        _ps(2, 2, "ps.mode=sync", *_FP16_BOTH, _NOSPIN)),
     "mwms_2w_nospin_defaults": _at_defaults(
         "MultiWorkerMirrored, 2 worker processes, their thread pools not spinning "
         "(runtime.thread_spinning=false)", _ps(2, 0, _NOSPIN)),
@@ -307,6 +311,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="config override for every row, e.g. train.global_batch_size=128")
     parser.add_argument("--steps", type=int, default=300, help="training steps per run")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="train that many epochs over the same --steps batches (the "
+                             "task's learning-rate schedule over them): the test metric after "
+                             "a whole run, not only its first steps")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--seeds", action="store_true",
                         help="repeat r trains with train.seed = r - 1 (initial weights and "
@@ -354,14 +362,17 @@ def entries(rows: list[str], links: list[str | None]) -> list[tuple[str, str, st
 
 
 def train_args(config_path: str, overrides: list[str], steps: int,
-               whole_test_set: bool = False) -> list[str]:
-    """app.train arguments for a run of exactly `steps` steps of pure training, then
-    one batch of test examples, or the task's whole test set (its test metric then
-    compares the rows' accuracy after the same examples)."""
+               whole_test_set: bool = False, epochs: int = 1) -> list[str]:
+    """app.train arguments for a run of exactly `epochs` x `steps` steps of pure
+    training (each epoch over the same `steps` batches of examples), then one batch
+    of test examples, or the task's whole test set (its test metric then compares the
+    rows' accuracy after the same examples)."""
+    if epochs < 1:
+        raise ValueError(f"--epochs must be at least 1, not {epochs}")
     config = cfg.load(config_path, [*PLAIN, *overrides])
     batch = config.train.global_batch_size
     fixed = [f"task.train_examples={steps * batch}",
-             "task.validation_examples=0", "train.epochs=1",
+             "task.validation_examples=0", f"train.epochs={epochs}",
              "eval.test_every_epoch=false", "train.verbose=0",
              *([] if whole_test_set else [f"task.test_examples={batch}"])]
     if config.task.name == "mnist" and not any(o.startswith("task.source=") for o in overrides):
@@ -582,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         links = link_list(args)
         if links != [None] and (problem := network.preflight()):
             raise ValueError(problem)  # before any row runs, not in the first cluster's log
-        base_args = train_args(args.config, args.set, args.steps, args.whole_test_set)
+        base_args = train_args(args.config, args.set, args.steps, args.whole_test_set,
+                               args.epochs)
     except (cfg.ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -605,6 +617,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     add_bounds(results, {name: bound for name, bound in bounds.items() if name in results})
     report = {"command": command, "machine": host, **load, "steps": args.steps,
+              **({"epochs": args.epochs} if args.epochs > 1 else {}),
               "repeats": args.repeats,
               **({"seeds": list(range(args.repeats))} if args.seeds else {}),
               **({"links": links} if links != [None] else {}),

@@ -475,10 +475,6 @@ class SyncPS(AsyncPS):
         self._refuse(backup >= self._workers,
                      f"ps.backup_workers = {backup} must be less than the number of workers "
                      f"({self._workers}): each update needs at least one gradient")
-        self._refuse(self.config.ps.read_compression != "none",
-                     f"ps.read_compression = {self.config.ps.read_compression} is for "
-                     "ps.mode = async: the synchronous loop reads the variables as float32; "
-                     "set it to none, or use ps.mode = async")
         self._refuse(self.config.ps.read_every != 1,
                      f"ps.read_every = {self.config.ps.read_every} is for ps.mode = async: "
                      "each step of the synchronous loop reads the variables; set it to 1, or "
@@ -523,7 +519,8 @@ class SyncPS(AsyncPS):
         self._check_slots(model, path.tf_variable, push_dtype)
         self.training = sync_ps.SyncTraining(model, train, self.coordinator, path, sync_ps.Settings(
             self._workers, self.config.ps.backup_workers, self.straggler,
-            push_dtype=push_dtype, parts=parts))
+            push_dtype=push_dtype, parts=parts,
+            half_reads=self.config.ps.read_compression == "fp16"))
         # Before training: a step whose update cannot be deferred is refused in one line.
         self.training.check(self.train_fn(task)(tf.distribute.InputContext()).element_spec,
                             task)

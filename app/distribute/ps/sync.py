@@ -70,6 +70,7 @@ class Settings:
     straggler: Straggler | None = None
     push_dtype: tf.DType | None = None
     parts: int = 0  # of an epoch, when contributions read their examples by index
+    half_reads: bool = False  # ps.read_compression = "fp16": reads cross as float16
 
     @property
     def required(self) -> int:
@@ -126,7 +127,13 @@ class SyncTraining:
 
         with tf.control_dependencies([version]):
             batch = read()
-        with self.path.deferred(self.model.optimizer, deposit, trace.others.append):
+        # Float16 reads (as the asynchronous loop's): each made where the step reads,
+        # so after the version's read as every other.
+        reads = (tf_internal.variable_reads(
+                    [self.path.tf_variable(v) for v in self.model.trainable_variables],
+                    cache=False, half=True)
+                 if self.settings.half_reads else contextlib.nullcontext())
+        with self.path.deferred(self.model.optimizer, deposit, trace.others.append), reads:
             self.coordinator.strategy.run(step, args=(batch,))
         return trace
 
