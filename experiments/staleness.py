@@ -31,6 +31,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+def _delays(text: str) -> list[int]:
+    """--delays: comma-separated whole numbers of updates, from 0."""
+    wrong = argparse.ArgumentTypeError(
+        f"{text!r}: give whole numbers of updates from 0, e.g. 0,1")
+    try:
+        delays = [int(d) for d in text.split(",")]
+    except ValueError:
+        raise wrong from None
+    if min(delays) < 0:
+        raise wrong
+    return delays
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python experiments/staleness.py",
                                      description=__doc__.split("\n")[0])
@@ -40,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=100, help="steps an epoch")
     parser.add_argument("--epochs", type=int, default=1,
                         help="epochs over the same --steps batches")
-    parser.add_argument("--delays", default="0,1",
+    parser.add_argument("--delays", type=_delays, default=[0, 1],
                         help="comma-separated staleness, in updates, of every gradient")
     parser.add_argument("--seeds", type=int, default=3, help="train.seed 0 .. seeds - 1")
     parser.add_argument("--out", type=pathlib.Path, help="the JSON record to write")
@@ -66,7 +79,9 @@ def train(args: argparse.Namespace, delay: int, seed: int) -> float:
     task, config = tasks.create(cfg.load(args.config, [
         *sets, f"task.train_examples={args.steps * batch}"]))
     task.keras.utils.set_random_seed(seed)
-    model, reader = task.build_model(), task.build_model()
+    model = task.build_model()
+    # At delay 0 the gradients are the model's own: a synchronous step, no copies.
+    reader = task.build_model() if delay else model
     optimizer = optimizers.optimizer(config, task, args.steps, dialects.of(model, task))
     loss_fn = task.loss()
 
@@ -81,13 +96,15 @@ def train(args: argparse.Namespace, delay: int, seed: int) -> float:
         optimizer.apply_gradients(zip(grads, model.trainable_variables, strict=True))
 
     # The parameters of the last `delay` + 1 versions, oldest first.
-    versions = collections.deque([model.get_weights()], maxlen=delay + 1)
+    versions = collections.deque([model.get_weights()] if delay else [], maxlen=delay + 1)
     batches = iter(task.train_dataset(tf.distribute.InputContext(), batch).repeat())
     for _ in range(args.epochs * args.steps):
         features, labels = next(batches)[:2]
-        reader.set_weights(versions[0])
+        if delay:
+            reader.set_weights(versions[0])
         apply(gradients(features, labels))
-        versions.append(model.get_weights())
+        if delay:
+            versions.append(model.get_weights())
     right = total = 0
     for features, labels in task.eval_dataset("test", 1000):
         predicted = tf.argmax(model(features, training=False), axis=-1)
@@ -114,18 +131,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         print(json.dumps({"test_accuracy": train(args, *args.child)}))
         return 0
-    try:
-        delays = [int(d) for d in args.delays.split(",")]
-    except ValueError:
-        delays = [-1]
-    if min(delays) < 0 or args.steps < 1 or args.epochs < 1 or args.seeds < 1:
-        print("error: --delays are whole numbers of updates from 0, and --steps, --epochs "
-              "and --seeds at least 1", file=sys.stderr)
+    if min(args.steps, args.epochs, args.seeds) < 1:
+        print("error: --steps, --epochs and --seeds must each be at least 1", file=sys.stderr)
         return 2
     from tools import bench_report
 
     runs = {}
-    for delay in delays:
+    for delay in args.delays:
         samples = [child(args, delay, seed) for seed in range(args.seeds)]
         runs[str(delay)] = {"test_accuracy": samples,
                             "mean": round(statistics.mean(samples), 5)}
