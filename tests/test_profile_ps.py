@@ -28,6 +28,25 @@ def test_a_traces_closures_are_its_training_functions_calls():
     assert profile_ps.closures(events) == [(1, 3), (10, 5)]
 
 
+def test_a_synchronous_runs_contributions_are_its_closures():
+    events = [("t", "EagerLocalExecute: __inference_contribution_1645", 4, 2),
+              ("t", "EagerLocalExecute: __inference__poll_1111", 1, 1)]
+    assert profile_ps.closures(events) == [(4, 2)]
+
+
+def test_the_chiefs_steps_are_its_closures_or_in_sync_mode_its_updates():
+    asynchronous = [("c1", "steps", 0, 2_000_000_000), ("c2", "steps", 0, 4_000_000_000),
+                    ("c1", "EagerLocalExecute: __inference_steps_3", 0, 1)]
+    assert profile_ps.chief_figures(asynchronous, per_closure=8) == (
+        16, {"closures": 2, "closure_call_ms": 3.0})
+    # Four contributions (two an update of two workers), two updates, polls between.
+    synchronous = [*[("c", "contribution", 0, 6_000_000_000)] * 4,
+                   *[("m", "_update", 0, 1_000_000_000)] * 2,
+                   *[("m", "_poll", 0, 1)] * 9]
+    assert profile_ps.chief_figures(synchronous, per_closure=1) == (
+        2, {"closures": 4, "closure_call_ms": 6.0, "updates": 2, "update_call_ms": 1.0})
+
+
 def test_op_time_per_step_is_summed_by_kind_and_leaves_out_calls():
     events = [("t1", "while/cnn/dense/MatMul:MatMul", 0, 4_000_000_000),  # 4 ms
               ("t2", "while/cnn/dense/MatMul:MatMul", 0, 2_000_000_000),

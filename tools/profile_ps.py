@@ -8,7 +8,8 @@ traces the chief, worker 0 and ps 0 for `--seconds` with TensorFlow's profiler
 sums what each traced task did, per training step:
 
 - the chief: the time its coordinator threads spend in each closure's remote call,
-  and the closures it scheduled (the steps in the window);
+  and the closures it scheduled (the steps in the window); in `ps.mode = "sync"` its
+  updates' calls too, and the steps are the updates;
 - worker 0: each closure's time on the worker, the time between its closures (waiting
   for the next one), and its ops' time by kind: the model's forward and backward
   pass, the optimizer's, reading the batch (the ops outside the model and the
@@ -168,9 +169,14 @@ def events(plane) -> list[tuple[str, str, int, int]]:
             for line in plane.lines for e in line.events]
 
 
-# The functions whose calls are a task's closures: the project's loop's, Keras' fit's.
-CLOSURES = ("__inference_steps", "__inference_train_function",
+# The functions whose calls are a task's closures: the project's loop's (asynchronous
+# steps, synchronous contributions), Keras' fit's.
+CLOSURES = ("__inference_steps", "__inference_contribution", "__inference_train_function",
             "__inference_multi_step_on_iterator", "__inference_one_step_on_data")
+# The chief's coordinator threads, each in a closure's remote call, by the function's name.
+CLOSURE_CALLS = ("steps", "contribution")
+# The chief's call of a synchronous update (app/distribute/ps/sync.py): one a step.
+UPDATE_CALL = "_update"
 
 
 def closures(evs: list[tuple[str, str, int, int]]) -> list[tuple[int, int]]:
@@ -190,10 +196,8 @@ def summarize(trace_dir: pathlib.Path, found: dict[str, tuple[int, str]], model:
 
     figures: dict = {"window_s": seconds, "steps_per_closure": per_closure}
     if "chief:0" in found:
-        # The coordinator's threads, each in a closure's remote call ("steps" is its name).
-        calls = [dur for _, name, _, dur in events(plane_of("chief:0")) if name == "steps"]
-        figures["steps"] = len(calls) * per_closure
-        figures["chief"] = {"closures": len(calls), "closure_call_ms": _mean_ms(calls)}
+        figures["steps"], figures["chief"] = chief_figures(events(plane_of("chief:0")),
+                                                           per_closure)
     for task in traced(found)[1:] if "chief:0" in found else traced(found):
         evs = events(plane_of(task))
         runs = closures(evs)
@@ -205,6 +209,19 @@ def summarize(trace_dir: pathlib.Path, found: dict[str, tuple[int, str]], model:
                          "ops_ms_per_step": _by_kind(evs, model, steps if runs else
                                                      figures["steps"])}
     return figures
+
+
+def chief_figures(evs: list[tuple[str, str, int, int]], per_closure: int
+                  ) -> tuple[int, dict]:
+    """The steps in the window, and the chief's closures and their remote calls' mean
+    time. A synchronous run's steps are its updates, not its contributions."""
+    calls = [dur for _, name, _, dur in evs if name in CLOSURE_CALLS]
+    figures = {"closures": len(calls), "closure_call_ms": _mean_ms(calls)}
+    updates = [dur for _, name, _, dur in evs if name == UPDATE_CALL]
+    if updates:
+        figures |= {"updates": len(updates), "update_call_ms": _mean_ms(updates)}
+        return len(updates), figures
+    return len(calls) * per_closure, figures
 
 
 def traced(found: dict[str, tuple[int, str]]) -> list[str]:
