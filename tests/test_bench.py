@@ -90,6 +90,26 @@ def test_summary_takes_medians_and_ratios_to_the_first_row():
     assert "main 45" in bench_report.table(results) and results["ps_2w2p"]["cpu_seconds"] == {}
 
 
+def test_a_row_whose_base_has_no_run_has_no_ratio():
+    # As when every run of the base failed (a setting one process refuses).
+    run = {"train_examples_per_sec": 300, "peak_memory_mib": 900, "num_replicas": 1}
+    results = bench.summarize({"ps_2w2p": [run], "ps_2w2p_spe8": [{**run,
+                                                                   "train_examples_per_sec": 150}]})
+    assert results["ps_2w2p"]["ratio"] is None and results["ps_2w2p"]["ratio_to"] is None
+    assert results["ps_2w2p_spe8"]["ratio"] is None
+    assert "300      -" in bench_report.table(results).split("\n")[2]
+
+
+def test_in_a_sweep_a_multi_task_row_is_to_its_base_at_the_same_link():
+    run = {"peak_memory_mib": 900, "num_replicas": 1}
+    results = bench.summarize({
+        "mwms_2w@100mbit": [{**run, "train_examples_per_sec": 100}],
+        "mwms_2w@1gbit": [{**run, "train_examples_per_sec": 400}],
+        "keras3_mwms_2w@1gbit": [{**run, "train_examples_per_sec": 200}]})
+    assert results["keras3_mwms_2w@1gbit"]["ratio_to"] == "mwms_2w@1gbit"
+    assert results["keras3_mwms_2w@1gbit"]["ratio"] == 0.5
+
+
 def test_a_linked_runs_bytes_are_read_from_its_log_and_given_per_step():
     log = ("[worker:0] INFO step 50\n[launch] bytes through each task's link: chief:0 in 1.2 MiB "
            "out 3.5 MiB, worker:0 in 850.3 MiB out 12.0 MiB, ps:0 in 10.0 MiB out 400.1 MiB\n")

@@ -530,8 +530,9 @@ def run(schedule: list[tuple[str, str, str | None]], base_args: list[str], repea
 
 
 def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dict]:
-    """Per row: median examples/s, ratio to its base row, peak memory, ps figures; the
-    test metric of each repeat, and with `seeds` (a seed a repeat) their mean."""
+    """Per row: median examples/s, ratio to its base row (None if it has no run), peak
+    memory, ps figures; the test metric of each repeat, and with `seeds` (a seed a
+    repeat) their mean."""
     results = {}
     for row, metrics in runs.items():
         samples = [m["train_examples_per_sec"] for m in metrics]
@@ -571,11 +572,14 @@ def summarize(runs: dict[str, list[dict]], seeds: bool = False) -> dict[str, dic
         if "ps_bytes" in metrics[0]:
             results[row]["ps_bytes"] = metrics[0]["ps_bytes"]
             results[row]["ps_balance"] = metrics[0]["ps_balance"]
-    first = next(iter(results))
     for name, r in results.items():
-        base = ROWS[name.split("@")[0]].base
-        r["ratio_to"] = base if base in results else first  # main() runs every base row
-        r["ratio"] = round(r["examples_per_sec"] / results[r["ratio_to"]]["examples_per_sec"], 3)
+        row, _, link = name.partition("@")
+        base = ROWS[row].base
+        # main() runs every base row: a multi-task one at each link of a sweep. A base
+        # whose every run failed leaves no ratio (None), not one to another row.
+        r["ratio_to"] = next((b for b in (f"{base}@{link}", base) if b in results), None)
+        r["ratio"] = (round(r["examples_per_sec"] / results[r["ratio_to"]]["examples_per_sec"], 3)
+                      if r["ratio_to"] else None)
     return results
 
 

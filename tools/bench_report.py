@@ -46,7 +46,8 @@ def table(results: dict[str, dict]) -> str:
         ps = ""
         if "ps_bytes" in r:
             ps = " / ".join(f"{b / 2**20:.1f}" for b in r["ps_bytes"]) + f" ({r['ps_balance']})"
-        lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {r['ratio']:>5.3f}  "
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}"  # its base row failed
+        lines.append(f"{row:<{width}}  {r['examples_per_sec']:>10.0f}  {ratio:>5}  "
                      f"{r['steps_per_sec']:>7.2f}  {r['test_metric']:>8.4f}  "
                      f"{r['peak_memory_mib']:>8.0f}  "
                      f"{cpu_text(r.get('cpu_seconds', {})):<29}  {ps}")
@@ -80,7 +81,7 @@ def chart(results: dict[str, dict], title: str, path: pathlib.Path) -> bool:
     fig, axes = plt.subplots(1, 2 if ps_rows else 1, figsize=(12 if ps_rows else 7, 4.5),
                              squeeze=False)
     ax = axes[0][0]
-    names = list(results)
+    names = [n for n in results if results[n]["ratio"] is not None]
     ratios = [results[n]["ratio"] for n in names]
     ax.barh(names[::-1], ratios[::-1], color="tab:blue")
     ax.axvline(1.0, color="black", linewidth=0.8)
