@@ -1,4 +1,4 @@
-"""What one update of staleness costs in accuracy, in one process.
+"""What one update of staleness costs in the task's test metric, in one process.
 
 Asynchronous parameter servers with 2 workers apply each worker's gradients to
 parameters that the other worker has updated meanwhile: a gradient is computed on
@@ -6,7 +6,8 @@ parameters about one update old. This trains the task's model in one process as 
 synchronous step would (`--delays 0`) and with every gradient computed on the
 parameters of `delay` updates before the one it is applied to, on the same
 batches, at the same seeds, with the task's optimizer and learning-rate schedule,
-then reports each run's test accuracy on the whole test set:
+then reports each run's test metric (the task's headline: MNIST's accuracy) on the
+whole test set, evaluated as the trainer evaluates it:
 
     python experiments/staleness.py --set train.global_batch_size=512 --steps 100 \\
         --epochs 1 --seeds 5 --out docs/results/staleness_b512_1epoch.json
@@ -63,9 +64,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def train(args: argparse.Namespace, delay: int, seed: int) -> float:
-    """The test accuracy after `args.epochs` x `args.steps` steps whose gradients are
-    each computed on the parameters of `delay` updates before."""
+def train(args: argparse.Namespace, delay: int, seed: int) -> tuple[str, float]:
+    """(the task's test metric's name, its value) after `args.epochs` x `args.steps`
+    steps whose gradients are each computed on the parameters of `delay` updates
+    before."""
     import tensorflow as tf
 
     from app import config as cfg
@@ -82,7 +84,8 @@ def train(args: argparse.Namespace, delay: int, seed: int) -> float:
     model = task.build_model()
     # At delay 0 the gradients are the model's own: a synchronous step, no copies.
     reader = task.build_model() if delay else model
-    optimizer = optimizers.optimizer(config, task, args.steps, dialects.of(model, task))
+    dialect = dialects.of(model, task)
+    optimizer = optimizers.optimizer(config, task, args.steps, dialect)
     loss_fn = task.loss()
 
     @tf.function
@@ -105,16 +108,13 @@ def train(args: argparse.Namespace, delay: int, seed: int) -> float:
         apply(gradients(features, labels))
         if delay:
             versions.append(model.get_weights())
-    right = total = 0
-    for features, labels in task.eval_dataset("test", 1000):
-        predicted = tf.argmax(model(features, training=False), axis=-1)
-        right += int(tf.reduce_sum(tf.cast(predicted == tf.cast(labels, predicted.dtype),
-                                           tf.int64)))
-        total += int(tf.size(labels))
-    return right / total
+    # The task's own headline metric, as the trainer evaluates it (the optimizer has done).
+    dialect.compile(model, optimizer, task, config.train)
+    return (f"test_{task.metric}",
+            dialect.evaluate(model, task.eval_dataset("test", 1000))[task.metric])
 
 
-def child(args: argparse.Namespace, delay: int, seed: int) -> float:
+def child(args: argparse.Namespace, delay: int, seed: int) -> tuple[str, float]:
     """`train` in a process of its own (a fresh TensorFlow for every run)."""
     argv = [sys.executable, __file__, "--config", args.config, "--steps", str(args.steps),
             "--epochs", str(args.epochs), "--child", str(delay), str(seed)]
@@ -123,25 +123,25 @@ def child(args: argparse.Namespace, delay: int, seed: int) -> float:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     out = subprocess.run(argv, env=env, cwd=ROOT, check=True, capture_output=True,
                          text=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["test_accuracy"]
+    return tuple(json.loads(out.strip().splitlines()[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        print(json.dumps({"test_accuracy": train(args, *args.child)}))
+        print(json.dumps(train(args, *args.child)))
         return 0
     if min(args.steps, args.epochs, args.seeds) < 1:
         print("error: --steps, --epochs and --seeds must each be at least 1", file=sys.stderr)
         return 2
     from tools import bench_report
 
-    runs = {}
+    runs, metric = {}, ""
     for delay in args.delays:
-        samples = [child(args, delay, seed) for seed in range(args.seeds)]
-        runs[str(delay)] = {"test_accuracy": samples,
-                            "mean": round(statistics.mean(samples), 5)}
-        print(f"delay {delay}: {samples}", file=sys.stderr)
+        measured = [child(args, delay, seed) for seed in range(args.seeds)]
+        metric, samples = measured[0][0], [round(value, 6) for _, value in measured]
+        runs[str(delay)] = {metric: samples, "mean": round(statistics.mean(samples), 5)}
+        print(f"delay {delay}: {metric} {samples}", file=sys.stderr)
     record = {
         "command": " ".join(["python experiments/staleness.py",
                              *(sys.argv[1:] if argv is None else argv)]),
@@ -149,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
         "steps": args.steps, "epochs": args.epochs, "seeds": list(range(args.seeds)),
         "by_delay": runs,
     }
-    if "0" in runs:  # per seed, each delay's accuracy minus no delay's, in points
+    if "0" in runs:  # per seed, each delay's metric minus no delay's, in points (x 100)
         record["points_behind_no_delay"] = {
             delay: [round(100 * (a - b), 2) for a, b in zip(
-                run["test_accuracy"], runs["0"]["test_accuracy"], strict=True)]
+                run[metric], runs["0"][metric], strict=True)]
             for delay, run in runs.items() if delay != "0"}
     bench_report.emit(record, args.out)
     return 0
