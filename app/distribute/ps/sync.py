@@ -91,6 +91,10 @@ class SyncTraining:
                                  settings.push_dtype, settings.parts)
         self.update = tf.function(self._update)
         self.poll = tf.function(self._poll)
+        # What a contribution reads as float16 (ps.read_compression), as the asynchronous
+        # loop's `variables`: the TensorFlow variables of the model's trainable ones.
+        self.half_read = ([path.tf_variable(v) for v in model.trainable_variables]
+                          if settings.half_reads else [])
 
     # -- a worker's contribution -------------------------------------------------------------
 
@@ -129,10 +133,8 @@ class SyncTraining:
             batch = read()
         # Float16 reads (as the asynchronous loop's): each made where the step reads,
         # so after the version's read as every other.
-        reads = (tf_internal.variable_reads(
-                    [self.path.tf_variable(v) for v in self.model.trainable_variables],
-                    cache=False, half=True)
-                 if self.settings.half_reads else contextlib.nullcontext())
+        reads = (tf_internal.variable_reads(self.half_read, cache=False, half=True)
+                 if self.half_read else contextlib.nullcontext())
         with self.path.deferred(self.model.optimizer, deposit, trace.others.append), reads:
             self.coordinator.strategy.run(step, args=(batch,))
         return trace
